@@ -1,0 +1,176 @@
+"""Reference optimizers with torch.optim's update formulas: `SGD`, `Adam`, `AdamW`.
+
+`step(lr, module, grads)` updates the module's parameters in place (as Burn's
+`Optimizer::step`); parameters without a gradient are skipped and get no state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
+from trainrec.items import Item
+from trainrec.records import check_tensor_map, expect_kind
+
+from .mlp import MLP
+
+__all__ = ["SGD", "Adam", "AdamW"]
+
+_Array = np.ndarray[Any, Any]
+
+
+class _Optimizer:
+    kind = ""
+    _buffers: tuple[str, ...] = ()
+
+    def __init__(self, **hyper: float | bool) -> None:
+        self.hyper: dict[str, float | bool] = dict(hyper)
+        self.state: dict[str, dict[str, Any]] = {}
+
+    def step(self, lr: float, module: MLP, grads: GradientsParams) -> None:
+        for pid in module.param_ids():
+            g = grads.get(pid)
+            if g is not None:
+                self._update(lr, module.params[pid], g, self.state.setdefault(pid, {}))
+
+    def _update(self, lr: float, p: _Array, g: _Array, s: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def into_record(self, module: Any) -> StateRecord:
+        state: dict[str, Item] = {}
+        for pid, s in self.state.items():
+            entry: dict[str, Item] = {}
+            for name, v in s.items():
+                entry[name] = TensorData.from_array(v) if isinstance(v, np.ndarray) else v
+            state[pid] = entry
+        hyper: dict[str, Item] = dict(self.hyper)
+        return StateRecord(self.kind, {"hyper": hyper, "state": state})
+
+    def _checked(self, record: Any, module: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        item = expect_kind(record, self.kind, "optimizer")
+        if not isinstance(item, dict) or set(item) != {"hyper", "state"}:
+            raise RecordMismatchError("optimizer record must be {hyper, state}", key="optimizer")
+        hyper, state = item["hyper"], item["state"]
+        if not isinstance(hyper, dict) or set(hyper) != set(self.hyper):
+            raise RecordMismatchError(
+                f"hyperparameters differ: record {sorted(hyper) if isinstance(hyper, dict) else hyper}, "
+                f"live {sorted(self.hyper)}",
+                key="optimizer.hyper",
+            )
+        if not isinstance(state, dict):
+            raise RecordMismatchError("optimizer state must be a map", key="optimizer.state")
+        shapes = module.param_shapes()
+        unknown = [pid for pid in state if pid not in shapes]
+        if unknown:
+            raise RecordMismatchError(
+                f"state for parameters the model lacks: {unknown}", key="optimizer.state"
+            )
+        out: dict[str, dict[str, Any]] = {}
+        for pid, entry in state.items():
+            dtype = DType.from_numpy(module.params[pid].dtype)
+            expected = {b: (shapes[pid], dtype) for b in self._buffers}
+            where = f"optimizer.state.{pid}"
+            if not isinstance(entry, dict):
+                raise RecordMismatchError("per-parameter state must be a map", key=where)
+            tensors = {k: v for k, v in entry.items() if isinstance(v, TensorData)}
+            scalars = {k: v for k, v in entry.items() if not isinstance(v, TensorData)}
+            checked: dict[str, Any] = dict(
+                check_tensor_map(tensors, expected, where, allow_subset=True)
+            )
+            for k, v in scalars.items():
+                if k != "step" or not isinstance(v, (int, float)):
+                    raise RecordMismatchError(f"unexpected state entry {k!r}", key=where)
+                checked[k] = v
+            out[pid] = checked
+        return dict(hyper), out
+
+    def check_record(self, record: Any, module: Any) -> None:
+        self._checked(record, module)
+
+    def load_record(self, record: Any, module: Any, device: Any) -> None:
+        hyper, state = self._checked(record, module)
+        self.state = {
+            pid: {
+                k: (np.array(v.array, dtype=module.params[pid].dtype) if isinstance(v, TensorData) else v)
+                for k, v in entry.items()
+            }
+            for pid, entry in state.items()
+        }
+        self.hyper = hyper
+
+
+class SGD(_Optimizer):
+    """torch.optim.SGD: L2 weight decay, momentum with dampening, nesterov."""
+
+    kind = "trainrec.numpy.SGD"
+    _buffers = ("momentum_buffer",)
+
+    def __init__(
+        self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+        weight_decay: float = 0.0,
+    ) -> None:
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening 0")
+        super().__init__(momentum=momentum, dampening=dampening, nesterov=nesterov,
+                         weight_decay=weight_decay)
+
+    def _update(self, lr: float, p: _Array, g: _Array, s: dict[str, Any]) -> None:
+        h = self.hyper
+        mu, wd = float(h["momentum"]), float(h["weight_decay"])
+        if wd:
+            g = g + wd * p
+        if mu:
+            buf = s.get("momentum_buffer")
+            if buf is None:
+                buf = s["momentum_buffer"] = np.array(g, copy=True)
+            else:
+                buf *= mu
+                buf += (1 - float(h["dampening"])) * g
+            g = g + mu * buf if h["nesterov"] else buf
+        p -= lr * g
+
+
+class Adam(_Optimizer):
+    """torch.optim.Adam (L2 weight decay added to the gradient; no AMSGrad)."""
+
+    kind = "trainrec.numpy.Adam"
+    _buffers = ("exp_avg", "exp_avg_sq")
+    _decoupled = False
+
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+    def _update(self, lr: float, p: _Array, g: _Array, s: dict[str, Any]) -> None:
+        h = self.hyper
+        b1, b2, eps, wd = float(h["beta1"]), float(h["beta2"]), float(h["eps"]), float(h["weight_decay"])
+        if "exp_avg" not in s:
+            s["step"] = 0.0
+            s["exp_avg"] = np.zeros_like(p)
+            s["exp_avg_sq"] = np.zeros_like(p)
+        s["step"] += 1.0
+        if self._decoupled:
+            p *= 1 - lr * wd
+        elif wd:
+            g = g + wd * p
+        m, v = s["exp_avg"], s["exp_avg_sq"]
+        m += (1 - b1) * (g - m)
+        v *= b2
+        v += (1 - b2) * (g * g)
+        step = s["step"]
+        step_size = lr / (1 - b1**step)
+        denom = np.sqrt(v) / math.sqrt(1 - b2**step) + eps
+        p -= step_size * (m / denom)
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: decoupled weight decay `p *= 1 - lr*wd` (default 1e-2)."""
+
+    kind = "trainrec.numpy.AdamW"
+    _decoupled = True
+
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)

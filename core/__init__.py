@@ -1,0 +1,109 @@
+"""trainrec: exact, portable training checkpoints.
+
+A checkpoint taken at any micro-step, even inside a gradient-accumulation window,
+restores model, optimizer, LR scheduler, pending accumulated gradients and the caller's
+own counters and RNG, so the resumed run is bitwise identical to one that never stopped.
+
+Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
+"""
+
+from ._version import __version__
+from .accumulator import GradientsAccumulator
+from .dtypes import DType, FloatDType
+from .errors import (
+    ChecksumError,
+    CorruptRecordError,
+    FileMissingError,
+    LossyPrecisionError,
+    RecorderError,
+    RecordMismatchError,
+    UnsupportedVersionError,
+)
+from .format import FORMAT_NAME, FORMAT_VERSION, Header
+from .gradients import GradientsParams, GradientsParamsRecord
+from .items import Item
+from .precision import (
+    DoublePrecisionSettings,
+    FullPrecisionSettings,
+    HalfPrecisionSettings,
+    NativePrecisionSettings,
+    Precision,
+    first_lossy,
+    is_lossless,
+)
+from .protocols import (
+    AutodiffBackend,
+    AutodiffModule,
+    Backend,
+    LrScheduler,
+    Module,
+    Optimizer,
+    ParamId,
+    PrecisionSettings,
+    Record,
+    Recorder,
+)
+from .recorders import (
+    CompactRecorder,
+    DefaultRecorder,
+    NamedMpkBytesRecorder,
+    NamedMpkFileRecorder,
+    NamedMpkGzFileRecorder,
+    read_file,
+)
+from .records import RngRecord, StateRecord, record
+from .registry import Adapter, adapt, register_adapter
+from .tensor import TensorData
+from .training import RestoredTraining, TrainingRecord
+
+__all__ = [
+    "__version__",
+    "Adapter",
+    "AutodiffBackend",
+    "AutodiffModule",
+    "Backend",
+    "ChecksumError",
+    "CompactRecorder",
+    "CorruptRecordError",
+    "DType",
+    "DefaultRecorder",
+    "DoublePrecisionSettings",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "FileMissingError",
+    "FloatDType",
+    "FullPrecisionSettings",
+    "GradientsAccumulator",
+    "GradientsParams",
+    "GradientsParamsRecord",
+    "HalfPrecisionSettings",
+    "Header",
+    "Item",
+    "LossyPrecisionError",
+    "LrScheduler",
+    "Module",
+    "NamedMpkBytesRecorder",
+    "NamedMpkFileRecorder",
+    "NamedMpkGzFileRecorder",
+    "NativePrecisionSettings",
+    "Optimizer",
+    "ParamId",
+    "Precision",
+    "PrecisionSettings",
+    "Record",
+    "Recorder",
+    "RecorderError",
+    "RecordMismatchError",
+    "RestoredTraining",
+    "RngRecord",
+    "StateRecord",
+    "TensorData",
+    "TrainingRecord",
+    "UnsupportedVersionError",
+    "adapt",
+    "first_lossy",
+    "is_lossless",
+    "read_file",
+    "record",
+    "register_adapter",
+]

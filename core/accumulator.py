@@ -1,0 +1,178 @@
+"""`GradientsAccumulator`: sums gradients across micro-steps and checkpoints the sum."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Generic, TypeVar
+
+from .dtypes import DType, FloatDType
+from .errors import RecorderError, RecordMismatchError
+from .gradients import GradientsParams, GradientsParamsRecord
+from .protocols import AutodiffBackend, ParamId
+from .registry import adapt_module, backend_for
+from .tensor import TensorData
+
+__all__ = ["GradientsAccumulator"]
+
+M = TypeVar("M")
+
+
+class GradientsAccumulator(Generic[M]):
+    """Accumulate gradients into a single `GradientsParams`.
+
+    The accumulator owns its pending tensors: it never aliases or writes into the
+    tensors it is given. It keeps no count: the caller's state carries it.
+    """
+
+    def __init__(self, backend: AutodiffBackend | None = None) -> None:
+        """Create a new gradients accumulator (optionally bound to a backend, which
+        `load_record` needs when the device is given as a string)."""
+        self._pending: dict[ParamId, Any] = {}
+        self._backend = backend
+
+    @classmethod
+    def new(cls) -> GradientsAccumulator[M]:
+        """Create a new gradients accumulator."""
+        return cls()
+
+    @property
+    def backend(self) -> AutodiffBackend | None:
+        return self._backend
+
+    def accumulate(self, module: M, grads: GradientsParams) -> None:
+        """Accumulate the given gradients for each parameter in the given module.
+
+        Gradients of ParamIds the module does not have are ignored; an incoming gradient
+        is cast to the pending dtype."""
+        self._accumulate(module, grads, None)
+
+    def accumulate_with_dtype(self, module: M, grads: GradientsParams, dtype: FloatDType) -> None:
+        """Accumulate after converting incoming and pending gradients to `dtype`.
+
+        FP32 accumulation can retain small additions to half-precision gradients.
+        Parameter storage, loss normalization and accumulation counts are unchanged.
+        Checkpoints preserve the pending gradient dtype; select the same dtype on
+        subsequent calls after restoring. No accumulator reset is performed."""
+        if not isinstance(dtype, FloatDType):
+            raise TypeError(f"dtype must be a FloatDType, got {dtype!r}")
+        self._accumulate(module, grads, dtype.dtype)
+
+    def _accumulate(self, module: M, grads: GradientsParams, dtype: DType | None) -> None:
+        if not isinstance(grads, GradientsParams):
+            raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
+        bound = adapt_module(module)
+        backend = self._bind(bound.backend)
+        wanted = set(bound.param_ids())
+        for pid, grad in grads.items():
+            if pid not in wanted:
+                continue
+            pending = self._pending.get(pid)
+            if pending is None:
+                target = dtype or backend.dtype_of(grad)
+                fresh = backend.cast(grad, target)
+                self._pending[pid] = backend.clone(grad) if fresh is grad else fresh
+                continue
+            target = dtype or backend.dtype_of(pending)
+            if backend.dtype_of(pending) is not target:
+                pending = backend.cast(pending, target)
+            incoming = grad if backend.dtype_of(grad) is target else backend.cast(grad, target)
+            self._pending[pid] = backend.add(pending, incoming)
+
+    def _bind(self, backend: AutodiffBackend) -> AutodiffBackend:
+        if self._backend is None:
+            self._backend = backend
+        elif self._backend.name != backend.name:
+            raise TypeError(
+                f"accumulator holds {self._backend.name} gradients; got a {backend.name} module"
+            )
+        return self._backend
+
+    def try_to_record(self) -> GradientsParamsRecord:
+        """Snapshot pending gradients without resetting the accumulation window."""
+        if not self._pending:
+            return GradientsParamsRecord({})
+        backend = self._require_backend()
+        try:
+            return GradientsParamsRecord(
+                {pid: _host(backend.to_host(t)) for pid, t in self._pending.items()}
+            )
+        except RecorderError:
+            raise
+        except Exception as e:
+            raise RecorderError(f"cannot read pending gradients back: {e}") from e
+
+    async def to_record_async(self) -> GradientsParamsRecord:
+        """Asynchronously snapshot pending gradients without resetting the accumulator."""
+        if not self._pending:
+            return GradientsParamsRecord({})
+        backend = self._require_backend()
+        items = list(self._pending.items())
+        try:
+            arrays = await asyncio.gather(*(backend.to_host_async(t) for _, t in items))
+        except Exception as e:
+            raise RecorderError(f"cannot read pending gradients back: {e}") from e
+        return GradientsParamsRecord({pid: _host(a) for (pid, _), a in zip(items, arrays)})
+
+    def load_record(self, record: GradientsParamsRecord, device: Any) -> None:
+        """Replace pending gradients with checkpoint state on the given device.
+
+        The model IDs and the caller's accumulation count must be restored from the
+        same checkpoint. A rejected record leaves the accumulator unchanged."""
+        if not isinstance(record, GradientsParamsRecord):
+            raise RecordMismatchError(
+                f"expected a GradientsParamsRecord, got {type(record).__name__}"
+            )
+        backend = self._backend or _backend_of_device(device)
+        staged: dict[ParamId, Any] = {}
+        try:
+            dev = backend.device(device)
+        except (TypeError, ValueError) as e:
+            raise RecordMismatchError(f"device {device!r} is not a {backend.name} device: {e}") from e
+        for pid, t in record.grads.items():
+            if not isinstance(pid, str):
+                raise RecordMismatchError(f"ParamId must be str, got {type(pid).__name__}")
+            if not isinstance(t, TensorData):
+                raise RecordMismatchError("pending gradient is not a tensor", key=pid)
+            if not t.dtype.is_float:
+                raise RecordMismatchError(
+                    f"pending gradient has non-float dtype {t.dtype.value}", key=pid
+                )
+            try:
+                staged[pid] = backend.from_host(t.array, dev)
+            except RecorderError:
+                raise
+            except Exception as e:
+                raise RecorderError(f"cannot place gradient on {device!r}: {e}", key=pid) from e
+        self._pending = staged
+        self._backend = backend
+
+    def grads(self) -> GradientsParams:
+        """Return the accumulated gradients and reset the accumulator state."""
+        out = GradientsParams(self._pending)
+        self._pending = {}
+        return out
+
+    def pending_ids(self) -> list[ParamId]:
+        """The ParamIds that have pending gradients (does not read tensors)."""
+        return list(self._pending)
+
+    def _require_backend(self) -> AutodiffBackend:
+        assert self._backend is not None, "pending gradients without a backend"
+        return self._backend
+
+    def __repr__(self) -> str:
+        return f"GradientsAccumulator({len(self._pending)} pending)"
+
+
+def _host(array: Any) -> TensorData:
+    return TensorData.from_array(array, copy=False)
+
+
+def _backend_of_device(device: Any) -> AutodiffBackend:
+    backend = backend_for(device)
+    if backend is None or not isinstance(backend, AutodiffBackend):
+        raise TypeError(
+            f"cannot tell which framework device {device!r} belongs to: pass a native device "
+            "object or create the accumulator with GradientsAccumulator(backend=...)"
+        )
+    return backend

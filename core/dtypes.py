@@ -1,0 +1,95 @@
+"""Element types of recorded tensors, independent of any framework.
+
+Host arrays are numpy arrays; bfloat16 comes from `ml_dtypes`. On disk every dtype is
+named by its short code (`"f32"`, `"bf16"`, ...), always little-endian.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["DType", "FloatDType"]
+
+
+class DType(enum.Enum):
+    """A tensor element type. The value is the code written in files."""
+
+    F64 = "f64"
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+    I64 = "i64"
+    I32 = "i32"
+    I16 = "i16"
+    I8 = "i8"
+    U8 = "u8"
+    BOOL = "bool"
+
+    @property
+    def numpy(self) -> np.dtype[np.generic]:
+        """The little-endian numpy dtype holding this element type."""
+        return _NUMPY[self]
+
+    @property
+    def itemsize(self) -> int:
+        return int(_NUMPY[self].itemsize)
+
+    @property
+    def is_float(self) -> bool:
+        return self in _FLOATS
+
+    @property
+    def is_int(self) -> bool:
+        return self in _INTS
+
+    @classmethod
+    def from_code(cls, code: object) -> DType:
+        """The dtype named by a file code; raises `ValueError` for anything else."""
+        for member in cls:
+            if member.value == code:
+                return member
+        raise ValueError(f"unknown dtype code {code!r}")
+
+    @classmethod
+    def from_numpy(cls, dtype: np.dtype[np.generic] | type) -> DType:
+        """The dtype of a numpy array; raises `TypeError` for types trainrec cannot record."""
+        nd = np.dtype(dtype)
+        for member, candidate in _NUMPY.items():
+            if nd == candidate or nd == candidate.newbyteorder(">"):
+                return member
+        raise TypeError(
+            f"numpy dtype {nd} cannot be recorded; supported: "
+            + ", ".join(m.value for m in cls)
+        )
+
+
+class FloatDType(enum.Enum):
+    """A floating-point element type, as taken by `accumulate_with_dtype`."""
+
+    F64 = "f64"
+    F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
+
+    @property
+    def dtype(self) -> DType:
+        return DType(self.value)
+
+
+_NUMPY: dict[DType, np.dtype[np.generic]] = {
+    DType.F64: np.dtype("<f8"),
+    DType.F32: np.dtype("<f4"),
+    DType.F16: np.dtype("<f2"),
+    DType.BF16: np.dtype(ml_dtypes.bfloat16),
+    DType.I64: np.dtype("<i8"),
+    DType.I32: np.dtype("<i4"),
+    DType.I16: np.dtype("<i2"),
+    DType.I8: np.dtype("i1"),
+    DType.U8: np.dtype("u1"),
+    DType.BOOL: np.dtype("?"),
+}
+_FLOATS = frozenset({DType.F64, DType.F32, DType.F16, DType.BF16})
+_INTS = frozenset({DType.I64, DType.I32, DType.I16, DType.I8, DType.U8})

@@ -1,0 +1,59 @@
+"""The `RecorderError` hierarchy: every failure to save, load or restore a record.
+
+Each message names the file (or "<bytes>", "<memory>") and the key path where the
+problem sits, so a user can tell which checkpoint and which tensor is at fault.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RecorderError",
+    "FileMissingError",
+    "CorruptRecordError",
+    "ChecksumError",
+    "UnsupportedVersionError",
+    "RecordMismatchError",
+    "LossyPrecisionError",
+]
+
+
+class RecorderError(Exception):
+    """Root of every failure to save, load or restore a record.
+
+    `source` names the file (or "<bytes>"); `key` is the dotted path of the offending
+    item, or "" when the failure concerns the whole payload.
+    """
+
+    def __init__(self, message: str, *, source: str = "", key: str = "") -> None:
+        self.source = source
+        self.key = key
+        where = []
+        if source:
+            where.append(f"file {source}")
+        if key:
+            where.append(f"key {key!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class FileMissingError(RecorderError):
+    """The checkpoint file does not exist or cannot be opened."""
+
+
+class CorruptRecordError(RecorderError):
+    """The payload is truncated, malformed, hostile or not a trainrec record."""
+
+
+class ChecksumError(CorruptRecordError):
+    """A stored checksum does not match the bytes: the file was damaged after it was written."""
+
+
+class UnsupportedVersionError(RecorderError):
+    """The payload was written by a format version this trainrec cannot read."""
+
+
+class RecordMismatchError(RecorderError):
+    """The record is valid but does not fit the live object (ParamIds, shapes, dtypes, kind)."""
+
+
+class LossyPrecisionError(RecorderError):
+    """The recorder's precision settings would change a stored value."""

@@ -1,0 +1,486 @@
+"""The NamedMpk format: one msgpack document, aligned tensor payloads, checksums.
+
+`spec/FORMAT.md` is the normative description; this module implements it. Writing
+streams every tensor straight from its buffer (peak extra memory: one converted
+tensor). Reading walks the document with a bounds-checked parser over a buffer (bytes,
+a read buffer or a read-only mmap): every declared length is checked against the
+limits and the bytes that remain before anything is allocated, and tensors become
+zero-copy numpy views into that buffer.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+
+from ._version import __version__
+from .dtypes import DType
+from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
+from .items import TENSOR_KEY, Item, check_item, join_key
+from .precision import Precision, convert_tensor, settings_by_name
+from .protocols import PrecisionSettings
+from .tensor import TensorData
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "ALIGNMENT",
+    "Header",
+    "write_document",
+    "read_document",
+    "Limits",
+]
+
+FORMAT_NAME = "trainrec.namedmpk"
+FORMAT_VERSION = (1, 0)
+ALIGNMENT = 64
+CHUNK_BYTES = 2**31
+"""Payloads longer than this are written as an array of `bin` chunks (bin32 holds < 4 GiB)."""
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a NamedMpk file says about itself, checked before the item is read."""
+
+    format: str
+    version: tuple[int, int]
+    trainrec_version: str
+    settings: Precision
+    record_type: str
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds the reader enforces before allocating (see spec/FORMAT.md, "Limits")."""
+
+    max_header_bytes: int = 1 << 20
+    max_depth: int = 64
+    max_str_bytes: int = 16 << 20
+    max_dims: int = 32
+
+
+class _Sink(Protocol):
+    def write(self, data: Any, /) -> Any: ...
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self, out: _Sink, settings: PrecisionSettings) -> None:
+        self._out = out
+        self._settings = settings
+        self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+        self.pos = 0
+        self.crc = 0
+
+    def raw(self, data: bytes) -> None:
+        """Structure bytes: counted into the running structure checksum."""
+        self._out.write(data)
+        self.pos += len(data)
+        self.crc = zlib.crc32(data, self.crc)
+
+    def value(self, v: object) -> None:
+        self.raw(self._packer.pack(v))
+
+    def item(self, item: Item) -> None:
+        if isinstance(item, TensorData):
+            self.tensor(convert_tensor(item, self._settings))
+        elif isinstance(item, dict):
+            self.raw(self._packer.pack_map_header(len(item)))
+            for k, v in item.items():
+                self.value(k)
+                self.item(v)
+        elif isinstance(item, list):
+            self.raw(self._packer.pack_array_header(len(item)))
+            for v in item:
+                self.item(v)
+        else:
+            self.value(item)
+
+    def tensor(self, t: TensorData) -> None:
+        flat = t.array.reshape(-1).view(np.uint8)
+        n = flat.nbytes
+        self.raw(self._packer.pack_map_header(5))
+        self.value(TENSOR_KEY)
+        self.value(t.dtype.value)
+        self.value("shape")
+        self.value(list(t.shape))
+        chunks = [(i, min(n, i + CHUNK_BYTES)) for i in range(0, n, CHUNK_BYTES)] or [(0, 0)]
+        tail = self._packer.pack("data")
+        if n > CHUNK_BYTES:
+            tail += self._packer.pack_array_header(len(chunks))
+        tail += _bin32_header(chunks[0][1] - chunks[0][0])
+        pad_len = (-(self.pos + 4 + 2 + len(tail))) % ALIGNMENT
+        self.value("pad")
+        self.raw(b"\xc4" + bytes([pad_len]) + bytes(pad_len))
+        self.raw(tail)
+        crc = 0
+        for i, (a, b) in enumerate(chunks):
+            if i:
+                self.raw(_bin32_header(b - a))
+            view = flat[a:b].data
+            self._out.write(view)
+            self.pos += b - a
+            crc = zlib.crc32(view, crc)
+        self.value("crc")
+        self.value(crc)
+
+
+def _bin32_header(n: int) -> bytes:
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def write_document(
+    out: _Sink, item: Item, settings: PrecisionSettings, record_type: str
+) -> None:
+    """Write `item` as one NamedMpk document to `out`, converting each tensor as
+    `settings` say while it is written. Raises `CorruptRecordError` for a malformed item
+    before anything is written."""
+    check_item(item)
+    w = _Writer(out, settings)
+    w.raw(b"\x88")
+    w.value("format")
+    w.value(FORMAT_NAME)
+    w.value("version")
+    w.value(list(FORMAT_VERSION))
+    w.value("trainrec")
+    w.value(__version__)
+    w.value("settings")
+    w.value(
+        {
+            "name": settings.name,
+            "float": None if settings.float_dtype is None else settings.float_dtype.value,
+            "int": None if settings.int_dtype is None else settings.int_dtype.value,
+        }
+    )
+    w.value("record")
+    w.value(record_type)
+    header_crc = w.crc
+    w.value("header_crc")
+    w.value(header_crc)
+    w.value("item")
+    w.crc = 0
+    w.item(item)
+    item_crc = w.crc
+    w.value("item_crc")
+    w.value(item_crc)
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+class _Span:
+    __slots__ = ("length", "offset")
+
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length
+
+
+class _Parser:
+    def __init__(self, buf: Any, source: str, limits: Limits) -> None:
+        self.buf = buf
+        self.mv = memoryview(buf).cast("B")
+        self.end = len(self.mv)
+        self.pos = 0
+        self.source = source
+        self.limits = limits
+        self.spans: list[_Span] = []
+
+    def fail(self, message: str, key: str) -> CorruptRecordError:
+        return CorruptRecordError(message, source=self.source, key=key)
+
+    def take(self, n: int, key: str) -> int:
+        start = self.pos
+        if n > self.end - start:
+            raise self.fail(
+                f"truncated: {n} bytes declared at offset {start}, only {self.end - start} remain",
+                key,
+            )
+        self.pos = start + n
+        return start
+
+    def uint(self, n: int, key: str) -> int:
+        start = self.take(n, key)
+        return int.from_bytes(self.mv[start : start + n], "big")
+
+    def count(self, n: int, per_entry: int, key: str) -> int:
+        if n * per_entry > self.end - self.pos:
+            raise self.fail(
+                f"declared {n} entries at offset {self.pos}, more than the bytes that remain", key
+            )
+        return n
+
+    def string(self, n: int, key: str) -> str:
+        if n > self.limits.max_str_bytes:
+            raise self.fail(f"string of {n} bytes exceeds the limit", key)
+        start = self.take(n, key)
+        try:
+            return bytes(self.mv[start : start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail("string is not valid UTF-8", key) from None
+
+    def value(self, key: str, depth: int, spans: bool = False) -> object:
+        """One msgpack value; tensor maps come back as `TensorData`, bins as bytes (as
+        `_Span`s, uncopied, when `spans`: tensor payloads)."""
+        if depth > self.limits.max_depth:
+            raise self.fail(f"nesting deeper than {self.limits.max_depth}", key)
+        b = self.mv[self.take(1, key)]
+        if b <= 0x7F:
+            return b
+        if b >= 0xE0:
+            return b - 0x100
+        if 0x80 <= b <= 0x8F:
+            return self.map(b & 0x0F, key, depth)
+        if 0x90 <= b <= 0x9F:
+            return self.array(b & 0x0F, key, depth, spans)
+        if 0xA0 <= b <= 0xBF:
+            return self.string(b & 0x1F, key)
+        if b == 0xC0:
+            return None
+        if b == 0xC2:
+            return False
+        if b == 0xC3:
+            return True
+        if b in (0xC4, 0xC5, 0xC6):
+            n = self.uint(1 << (b - 0xC4), key)
+            span = _Span(self.take(n, key), n)
+            return span if spans else self.to_bytes(span)
+        if b == 0xCA:
+            return float(struct.unpack_from(">f", self.mv, self.take(4, key))[0])
+        if b == 0xCB:
+            return float(struct.unpack_from(">d", self.mv, self.take(8, key))[0])
+        if 0xCC <= b <= 0xCF:
+            return self.uint(1 << (b - 0xCC), key)
+        if 0xD0 <= b <= 0xD3:
+            n = 1 << (b - 0xD0)
+            start = self.take(n, key)
+            return int.from_bytes(self.mv[start : start + n], "big", signed=True)
+        if 0xD9 <= b <= 0xDB:
+            return self.string(self.uint(1 << (b - 0xD9), key), key)
+        if b in (0xDC, 0xDD):
+            return self.array(self.uint(2 if b == 0xDC else 4, key), key, depth, spans)
+        if b in (0xDE, 0xDF):
+            return self.map(self.uint(2 if b == 0xDE else 4, key), key, depth)
+        raise self.fail(f"msgpack type byte 0x{b:02x} is not used by this format", key)
+
+    def array(self, n: int, key: str, depth: int, spans: bool = False) -> list[object]:
+        self.count(n, 1, key)
+        return [self.value(join_key(key, i), depth + 1, spans) for i in range(n)]
+
+    def map(self, n: int, key: str, depth: int) -> object:
+        self.count(n, 2, key)
+        out: dict[str, object] = {}
+        for i in range(n):
+            k = self.value(key, depth + 1)
+            if not isinstance(k, str):
+                raise self.fail("map keys must be strings", key)
+            if k in out:
+                raise self.fail(f"duplicate map key {k!r}", key)
+            if i == 0 and k == TENSOR_KEY:
+                return self.tensor(n, key, depth)
+            out[k] = self.value(join_key(key, k), depth + 1)
+        return out
+
+    def to_bytes(self, span: _Span) -> bytes:
+        return bytes(self.mv[span.offset : span.offset + span.length])
+
+    def tensor(self, n: int, key: str, depth: int) -> TensorData:
+        fields: dict[str, object] = {TENSOR_KEY: self.value(key, depth + 1)}
+        for _ in range(n - 1):
+            k = self.value(key, depth + 1)
+            if not isinstance(k, str) or k in fields:
+                raise self.fail("malformed tensor map", key)
+            fields[k] = self.value(key, depth + 1, spans=k == "data")
+        try:
+            dtype = DType.from_code(fields[TENSOR_KEY])
+        except ValueError:
+            raise self.fail(f"unknown dtype {fields[TENSOR_KEY]!r}", key) from None
+        shape = fields.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > self.limits.max_dims
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise self.fail(f"shape {shape!r} is not a list of non-negative ints", key)
+        data = fields.get("data")
+        chunks = data if isinstance(data, list) else [data]
+        if not chunks or not all(isinstance(c, _Span) for c in chunks):
+            raise self.fail("tensor data is not bin or an array of bin", key)
+        spans: list[_Span] = [c for c in chunks if isinstance(c, _Span)]
+        crc = fields.get("crc")
+        if not isinstance(crc, int) or isinstance(crc, bool):
+            raise self.fail("tensor has no crc", key)
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * dtype.itemsize
+        if sum(s.length for s in spans) != nbytes:
+            raise self.fail(
+                f"{dtype.value} tensor of shape {tuple(shape)} needs {nbytes} bytes, "
+                f"{sum(s.length for s in spans)} are stored",
+                key,
+            )
+        self.spans.extend(spans)
+        return TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key))
+
+    def loader(
+        self, dtype: DType, shape: tuple[int, ...], spans: list[_Span], crc: int, key: str
+    ) -> Callable[[], np.ndarray[Any, Any]]:
+        buf, mv, source = self.buf, self.mv, self.source
+        count = 1
+        for d in shape:
+            count *= d
+
+        def load() -> np.ndarray[Any, Any]:
+            got = 0
+            for s in spans:
+                got = zlib.crc32(mv[s.offset : s.offset + s.length], got)
+            if got != crc:
+                raise ChecksumError(
+                    f"tensor checksum mismatch (stored {crc:#010x}, computed {got:#010x})",
+                    source=source,
+                    key=key,
+                )
+            if len(spans) == 1:
+                arr = np.frombuffer(buf, dtype=dtype.numpy, count=count, offset=spans[0].offset)
+            else:
+                raw = np.empty(count * dtype.itemsize, np.uint8)
+                at = 0
+                for s in spans:
+                    raw[at : at + s.length] = np.frombuffer(mv, np.uint8, s.length, s.offset)
+                    at += s.length
+                arr = raw.view(dtype.numpy)
+            return arr.reshape(shape)
+
+        return load
+
+    def structure_crc(self, start: int, end: int) -> int:
+        crc, at = 0, start
+        for s in self.spans:
+            crc = zlib.crc32(self.mv[at : s.offset], crc)
+            at = s.offset + s.length
+        return zlib.crc32(self.mv[at:end], crc)
+
+
+def read_document(
+    buf: Any, source: str, *, lazy: bool = False, limits: Limits | None = None
+) -> tuple[Header, Item]:
+    """Parse a NamedMpk document held in `buf` (bytes, bytearray, numpy buffer or mmap).
+
+    Checks the magic, version and header checksum before reading the item, then the
+    structure checksum; with `lazy=False` also every tensor checksum. Tensors view `buf`.
+    Raises `CorruptRecordError` (or `ChecksumError`) and `UnsupportedVersionError`.
+    """
+    p = _Parser(buf, source, limits or Limits())
+    header = _read_header(p)
+    k = p.value("", 1)
+    if k != "item":
+        raise p.fail(f"expected key 'item' after the header, found {k!r}", "")
+    item_start = p.pos
+    item: Item = p.value("item", 1)  # type: ignore[assignment]
+    item_end = p.pos
+    if p.value("", 1) != "item_crc":
+        raise p.fail("expected key 'item_crc' after the item", "")
+    stored = p.value("item_crc", 1)
+    if p.pos != p.end:
+        raise p.fail(f"{p.end - p.pos} bytes of trailing data after the document", "")
+    computed = p.structure_crc(item_start, item_end)
+    if stored != computed:
+        raise ChecksumError(
+            f"structure checksum mismatch (stored {stored!r}, computed {computed:#010x})",
+            source=source,
+            key="item",
+        )
+    if not lazy:
+        _touch(item)
+    return header, item
+
+
+def _touch(item: Item) -> None:
+    if isinstance(item, TensorData):
+        item.array  # noqa: B018 - reading verifies the checksum
+    elif isinstance(item, dict):
+        for v in item.values():
+            _touch(v)
+    elif isinstance(item, list):
+        for v in item:
+            _touch(v)
+
+
+def _read_header(p: _Parser) -> Header:
+    first = p.mv[0] if p.end else None
+    if first is None:
+        raise p.fail("empty payload", "")
+    if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
+        raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+    b = p.mv[p.take(1, "")]
+    n = b & 0x0F if b <= 0x8F else p.uint(2 if b == 0xDE else 4, "")
+    fields: dict[str, object] = {}
+    for _ in range(n):
+        if p.pos > p.limits.max_header_bytes:
+            raise p.fail(f"header larger than {p.limits.max_header_bytes} bytes", "")
+        key_start = p.pos
+        k = p.value("", 1)
+        if not isinstance(k, str):
+            raise p.fail("header keys must be strings", "")
+        if not fields and (k != "format"):
+            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+        if k == "header_crc":
+            stored = p.value(k, 1)
+            computed = zlib.crc32(p.mv[:key_start])
+            if stored != computed:
+                raise ChecksumError(
+                    f"header checksum mismatch (stored {stored!r}, computed {computed:#010x})",
+                    source=p.source,
+                    key="header_crc",
+                )
+            if n != len(fields) + 3:
+                raise p.fail("the top-level map must end with header_crc, item, item_crc", "")
+            return _header_from(fields, p)
+        fields[k] = p.value(k, 1)
+        if k == "format" and fields[k] != FORMAT_NAME:
+            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "format")
+        if k == "version":
+            _check_version(fields[k], p)
+    raise p.fail("header has no header_crc", "")
+
+
+def _check_version(v: object, p: _Parser) -> None:
+    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)):
+        raise p.fail(f"malformed version {v!r}", "version")
+    if v[0] != FORMAT_VERSION[0]:
+        raise UnsupportedVersionError(
+            f"format version {v[0]}.{v[1]} is not supported by this trainrec, which reads "
+            f"version {FORMAT_VERSION[0]}.x (writes {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]})",
+            source=p.source,
+            key="version",
+        )
+
+
+def _header_from(fields: dict[str, object], p: _Parser) -> Header:
+    version = fields.get("version")
+    settings = fields.get("settings")
+    record = fields.get("record")
+    trainrec_version = fields.get("trainrec")
+    if not isinstance(version, list):
+        raise p.fail("header has no version", "version")
+    if not isinstance(record, str) or not isinstance(trainrec_version, str):
+        raise p.fail("header lacks record or trainrec version", "record")
+    if not isinstance(settings, dict):
+        raise p.fail("header has no settings", "settings")
+    try:
+        name = settings["name"]
+        if not isinstance(name, str):
+            raise ValueError(name)
+        precision = settings_by_name(name, settings.get("float"), settings.get("int"))
+    except (KeyError, ValueError, TypeError) as e:
+        raise p.fail(f"malformed precision settings ({e})", "settings") from None
+    return Header(FORMAT_NAME, (version[0], version[1]), trainrec_version, precision, record)

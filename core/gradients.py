@@ -1,0 +1,96 @@
+"""`GradientsParams` (live gradients by ParamId) and `GradientsParamsRecord` (their record)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import DType
+from .errors import CorruptRecordError
+from .items import Item, join_key
+from .precision import convert_tensor
+from .protocols import ParamId, PrecisionSettings
+from .tensor import TensorData
+
+__all__ = ["GradientsParams", "GradientsParamsRecord"]
+
+
+class GradientsParams:
+    """Gradients of a module's parameters, by ParamId, as the framework's tensors."""
+
+    def __init__(self, grads: Mapping[ParamId, Any] | None = None) -> None:
+        self._grads: dict[ParamId, Any] = dict(grads or {})
+
+    def register(self, param_id: ParamId, tensor: Any) -> None:
+        """Set the gradient of `param_id` (replacing any)."""
+        self._grads[param_id] = tensor
+
+    def get(self, param_id: ParamId) -> Any | None:
+        return self._grads.get(param_id)
+
+    def remove(self, param_id: ParamId) -> Any | None:
+        """Take the gradient of `param_id` out, returning it (None when absent)."""
+        return self._grads.pop(param_id, None)
+
+    def len(self) -> int:
+        return len(self._grads)
+
+    def is_empty(self) -> bool:
+        return not self._grads
+
+    def __len__(self) -> int:
+        return len(self._grads)
+
+    def __iter__(self) -> Iterator[ParamId]:
+        return iter(self._grads)
+
+    def __contains__(self, param_id: object) -> bool:
+        return param_id in self._grads
+
+    def items(self) -> Iterator[tuple[ParamId, Any]]:
+        return iter(self._grads.items())
+
+    def __repr__(self) -> str:
+        return f"GradientsParams({list(self._grads)})"
+
+
+@dataclass(frozen=True)
+class GradientsParamsRecord:
+    """The record of pending gradients: host copies by ParamId, each keeping its dtype.
+
+    Its item stores every gradient with its pending dtype, so a checkpoint written with
+    other precision settings still restores the pending dtype.
+    """
+
+    grads: Mapping[ParamId, TensorData] = field(default_factory=dict)
+
+    RECORD_NAME = "GradientsParamsRecord"
+
+    def into_item(self, settings: PrecisionSettings) -> Item:
+        return {
+            pid: {"dtype": t.dtype.value, "value": convert_tensor(t, settings)}
+            for pid, t in self.grads.items()
+        }
+
+    @classmethod
+    def from_item(cls, item: Item, device: Any = None, *, key: str = "") -> GradientsParamsRecord:
+        """Rebuild from an item; raises `CorruptRecordError` naming the bad entry."""
+        if not isinstance(item, dict):
+            raise CorruptRecordError("pending gradients must be a map", key=key)
+        grads: dict[ParamId, TensorData] = {}
+        for pid, entry in item.items():
+            where = join_key(key, pid)
+            if not isinstance(entry, dict) or set(entry) != {"dtype", "value"}:
+                raise CorruptRecordError("gradient entry must be {dtype, value}", key=where)
+            value = entry["value"]
+            if not isinstance(value, TensorData):
+                raise CorruptRecordError("gradient value is not a tensor", key=where)
+            try:
+                dtype = DType.from_code(entry["dtype"])
+            except ValueError:
+                raise CorruptRecordError(f"unknown dtype {entry['dtype']!r}", key=where) from None
+            if not dtype.is_float or not value.dtype.is_float:
+                raise CorruptRecordError(f"gradients must be floats, got {dtype.value}", key=where)
+            grads[pid] = value.cast(dtype)
+        return cls(grads)

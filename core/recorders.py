@@ -1,0 +1,264 @@
+"""Recorders: NamedMpk to a file, a gzip file or bytes.
+
+A recorder only moves items to bytes and back (see `format.py` and spec/FORMAT.md).
+File paths are used exactly as given: no extension is added.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import mmap as _mmap
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptRecordError, FileMissingError, RecorderError, RecordMismatchError
+from .format import ALIGNMENT, Header, read_document, write_document
+from .items import Item
+from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
+from .protocols import PrecisionSettings, Record
+
+__all__ = [
+    "NamedMpkFileRecorder",
+    "NamedMpkGzFileRecorder",
+    "NamedMpkBytesRecorder",
+    "DefaultRecorder",
+    "CompactRecorder",
+    "record_name",
+    "read_file",
+]
+
+_NATIVE = NativePrecisionSettings()
+
+
+def record_name(record_type: type[Any]) -> str:
+    """The name a record type is stored under in a file header."""
+    return str(getattr(record_type, "RECORD_NAME", record_type.__name__))
+
+
+class _NamedMpkRecorder:
+    """Shared logic; subclasses say where the document goes."""
+
+    def __init__(self, settings: PrecisionSettings | None = None) -> None:
+        if settings is not None and not isinstance(settings, PrecisionSettings):
+            raise TypeError(f"settings must be PrecisionSettings, got {type(settings).__name__}")
+        self._settings: PrecisionSettings = settings or FullPrecisionSettings()
+
+    @property
+    def settings(self) -> PrecisionSettings:
+        return self._settings
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._settings!r})"
+
+    def record(self, record: Record, args: Any) -> Any:
+        """Write `record` (converted by this recorder's settings) and return the output."""
+        return self.save_item(record.into_item(_NATIVE), args, record_name(type(record)))
+
+    def load(self, args: Any, device: Any, record_type: type[Any], **kw: Any) -> Any:
+        """Read a payload written from a `record_type` and rebuild it on `device`."""
+        header, item = self.read(args, **kw)
+        expected = record_name(record_type)
+        if header.record_type != expected:
+            raise RecordMismatchError(
+                f"payload holds a {header.record_type}, not a {expected}",
+                source=self._source(args),
+            )
+        return record_type.from_item(item, device)
+
+    def load_item(self, args: Any, **kw: Any) -> Item:
+        return self.read(args, **kw)[1]
+
+    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Any:
+        raise NotImplementedError
+
+    def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+        """Header and item of a payload. `mmap=True` defers each tensor's checksum to its
+        first read (and, for files, maps the file instead of reading it)."""
+        raise NotImplementedError
+
+    def _source(self, args: Any) -> str:
+        return str(args)
+
+
+class NamedMpkFileRecorder(_NamedMpkRecorder):
+    """NamedMpk in a plain file (`.mpk` by convention). Args: a path; output: the `Path`.
+
+    `load(..., mmap=True)` maps the file and hands out zero-copy read-only tensors whose
+    checksums are verified when each is first read.
+    """
+
+    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+        from ._atomic import atomic_write
+
+        path = _path(args)
+        with atomic_write(path) as f:
+            write_document(f, item, self._settings, record_type)
+        return path
+
+    def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+        path = _path(args)
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    raise CorruptRecordError("empty file", source=source)
+                if mmap:
+                    buf: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
+                else:
+                    buf = _aligned_buffer(size)
+                    _read_exactly(f, buf, source)
+        except FileNotFoundError as e:
+            raise FileMissingError("no such checkpoint", source=source) from e
+        except IsADirectoryError as e:
+            raise FileMissingError("checkpoint path is a directory", source=source) from e
+        except OSError as e:
+            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
+        return read_document(buf, source, lazy=mmap)
+
+
+class NamedMpkGzFileRecorder(_NamedMpkRecorder):
+    """NamedMpk compressed with gzip (`.mpk.gz`). Args: a path; output: the `Path`.
+
+    Loading decompresses into memory (at most `max_bytes`, default 64 GiB, so a
+    decompression bomb is refused) and then reads as a plain NamedMpk document.
+    """
+
+    def __init__(
+        self,
+        settings: PrecisionSettings | None = None,
+        *,
+        compresslevel: int = 6,
+        max_bytes: int = 64 << 30,
+    ) -> None:
+        super().__init__(settings)
+        self._level = compresslevel
+        self._max = max_bytes
+
+    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+        from ._atomic import atomic_write
+
+        path = _path(args)
+        with atomic_write(path) as f:
+            with gzip.GzipFile(
+                filename="", mode="wb", fileobj=f, compresslevel=self._level, mtime=0
+            ) as gz:
+                write_document(gz, item, self._settings, record_type)
+        return path
+
+    def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+        path = _path(args)
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                buf = _gunzip(f, self._max, source)
+        except FileNotFoundError as e:
+            raise FileMissingError("no such checkpoint", source=source) from e
+        except OSError as e:
+            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
+        return read_document(buf, source, lazy=mmap)
+
+
+class NamedMpkBytesRecorder(_NamedMpkRecorder):
+    """NamedMpk in memory. Save args: None; output: `bytes`. Load args: a bytes-like
+    object; loaded tensors are read-only views of it."""
+
+    def save_item(self, item: Item, args: Any = None, record_type: str = "Item") -> bytes:
+        if args is not None:
+            raise TypeError("NamedMpkBytesRecorder takes args=None when saving")
+        out = io.BytesIO()
+        write_document(out, item, self._settings, record_type)
+        return out.getvalue()
+
+    def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+        if not isinstance(args, (bytes, bytearray, memoryview)):
+            raise TypeError(f"load args must be bytes, got {type(args).__name__}")
+        return read_document(args, "<bytes>", lazy=mmap)
+
+    def _source(self, args: Any) -> str:
+        return "<bytes>"
+
+
+class DefaultRecorder(NamedMpkFileRecorder):
+    """NamedMpk file with full precision (f32, i32), as Burn's `DefaultRecorder`."""
+
+    def __init__(self) -> None:
+        super().__init__(FullPrecisionSettings())
+
+
+class CompactRecorder(NamedMpkFileRecorder):
+    """NamedMpk file with half precision (f16, i16), as Burn's `CompactRecorder`."""
+
+    def __init__(self) -> None:
+        super().__init__(HalfPrecisionSettings())
+
+
+def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:
+    """Header and item of a NamedMpk file, plain or gzip (told apart by the gzip magic)."""
+    p = _path(path)
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(2)
+    except FileNotFoundError as e:
+        raise FileMissingError("no such checkpoint", source=str(p)) from e
+    except OSError as e:
+        raise RecorderError(f"cannot read checkpoint: {e}", source=str(p)) from e
+    if magic == b"\x1f\x8b":
+        return NamedMpkGzFileRecorder().read(p)
+    return NamedMpkFileRecorder().read(p, mmap=mmap)
+
+
+def _path(args: Any) -> Path:
+    if not isinstance(args, (str, os.PathLike)):
+        raise TypeError(f"file recorders take a path, got {type(args).__name__}")
+    return Path(args)
+
+
+def _aligned_buffer(size: int) -> np.ndarray[Any, Any]:
+    raw = np.empty(size + ALIGNMENT, np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + size]
+
+
+def _read_exactly(f: Any, buf: np.ndarray[Any, Any], source: str) -> None:
+    view = buf.data
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CorruptRecordError(f"file shrank while reading ({got} bytes)", source=source)
+        got += n
+
+
+def _gunzip(f: Any, limit: int, source: str) -> np.ndarray[Any, Any]:
+    d = zlib.decompressobj(wbits=31)
+    parts: list[bytes] = []
+    total = 0
+    try:
+        while not d.eof:
+            chunk = d.unconsumed_tail or f.read(1 << 20)
+            if not chunk:
+                raise CorruptRecordError("truncated gzip stream", source=source)
+            out = d.decompress(chunk, min(1 << 24, limit - total + 1))
+            total += len(out)
+            if total > limit:
+                raise CorruptRecordError(
+                    f"decompresses to more than {limit} bytes (raise max_bytes to allow it)",
+                    source=source,
+                )
+            parts.append(out)
+    except zlib.error as e:
+        raise CorruptRecordError(f"not a valid gzip stream: {e}", source=source) from None
+    if d.unused_data or f.read(1):
+        raise CorruptRecordError("trailing data after the gzip stream", source=source)
+    buf = _aligned_buffer(total)
+    at = 0
+    for part in parts:
+        buf[at : at + len(part)] = np.frombuffer(part, np.uint8)
+        at += len(part)
+    return buf

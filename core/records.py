@@ -1,0 +1,363 @@
+"""Records of model, optimizer and scheduler state, and of the caller's own state.
+
+`StateRecord` is what adapters produce for their components: a kind name and an item
+tree of host copies. `@record` turns a dataclass into a `Record`; `RngRecord` holds
+Python's and numpy's random states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union
+
+import numpy as np
+
+from .errors import CorruptRecordError, RecordMismatchError
+from .items import Item, check_item, join_key
+from .precision import convert_item
+from .protocols import PrecisionSettings
+from .registry import backend_for
+from .tensor import TensorData
+
+__all__ = [
+    "StateRecord",
+    "record",
+    "RngRecord",
+    "to_item",
+    "from_item_as",
+    "expect_kind",
+    "check_tensor_map",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """A component's state as an item tree of host copies, tagged with its `kind`."""
+
+    kind: str
+    item: Item
+
+    RECORD_NAME = "StateRecord"
+
+    def into_item(self, settings: PrecisionSettings) -> Item:
+        return {"kind": self.kind, "state": convert_item(self.item, settings)}
+
+    @classmethod
+    def from_item(cls, item: Item, device: Any = None, *, key: str = "") -> StateRecord:
+        if not isinstance(item, dict) or set(item) != {"kind", "state"}:
+            raise CorruptRecordError("component record must be {kind, state}", key=key)
+        kind = item["kind"]
+        if not isinstance(kind, str):
+            raise CorruptRecordError("component kind must be a string", key=join_key(key, "kind"))
+        return cls(kind, check_item(item["state"], join_key(key, "state")))
+
+
+# -- caller state: @record ----------------------------------------------------------------
+
+
+def to_item(value: Any, settings: PrecisionSettings, key: str = "") -> Item:
+    """A caller value as an item: scalars, str, bytes, None, lists/tuples/dicts of them,
+    numpy arrays and scalars, framework tensors and nested records."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return check_item(value, key)
+    if isinstance(value, TensorData):
+        return convert_item(value, settings)
+    if hasattr(value, "into_item") and not isinstance(value, type):
+        item: Item = value.into_item(settings)
+        return item
+    if isinstance(value, (np.ndarray, np.generic)):
+        return convert_item(TensorData.from_array(np.asarray(value)), settings)
+    if isinstance(value, (list, tuple)):
+        return [to_item(v, settings, join_key(key, i)) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        out: dict[str, Item] = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"dict keys in records must be str (at {key or 'root'!r})")
+            out[k] = to_item(v, settings, join_key(key, k))
+        return out
+    backend = backend_for(value)
+    if backend is not None and backend.is_tensor(value):
+        return convert_item(TensorData.from_array(backend.to_host(value), copy=False), settings)
+    raise TypeError(
+        f"{type(value).__qualname__} at {key or 'root'!r} cannot be recorded: use scalars, str, "
+        "bytes, None, lists, tuples, dicts, arrays, tensors or records"
+    )
+
+
+def from_item_as(tp: Any, item: Item, device: Any, key: str = "") -> Any:
+    """Rebuild a value of annotated type `tp` from `item` (raises `CorruptRecordError`)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if item is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return from_item_as(non_none[0] if len(non_none) == 1 else Any, item, device, key)
+    if isinstance(tp, type) and hasattr(tp, "from_item") and not isinstance(item, TensorData):
+        return tp.from_item(item, device)
+    if isinstance(item, TensorData):
+        return _tensor_as(tp, item, device, key)
+    if isinstance(item, list):
+        args = typing.get_args(tp)
+        if origin is tuple:
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(from_item_as(args[0], v, device, join_key(key, i)) for i, v in enumerate(item))
+            if args and len(args) == len(item):
+                return tuple(
+                    from_item_as(a, v, device, join_key(key, i))
+                    for i, (a, v) in enumerate(zip(args, item))
+                )
+            return tuple(from_item_as(Any, v, device, join_key(key, i)) for i, v in enumerate(item))
+        inner = args[0] if origin is list and args else Any
+        return [from_item_as(inner, v, device, join_key(key, i)) for i, v in enumerate(item)]
+    if isinstance(item, dict):
+        args = typing.get_args(tp)
+        inner = args[1] if origin is dict and len(args) == 2 else Any
+        return {k: from_item_as(inner, v, device, join_key(key, k)) for k, v in item.items()}
+    if tp is float and isinstance(item, int) and not isinstance(item, bool):
+        return float(item)
+    return item
+
+
+def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
+    if isinstance(tp, type) and tp is not np.ndarray and not issubclass(tp, np.generic):
+        backend = backend_for(tp)
+        if backend is not None:
+            dev = backend.device(device) if device is not None else backend.device("cpu")
+            return backend.from_host(np.array(t.array), dev)
+    if isinstance(tp, type) and issubclass(tp, np.generic) or (tp is Any and t.shape == ()):
+        return t.array[()]
+    return np.array(t.array)
+
+
+_DC = TypeVar("_DC", bound=type)
+
+
+def record(cls: _DC) -> _DC:
+    """Make a dataclass a `Record` whose item is a map of its fields.
+
+    Fields may hold scalars, str, bytes, None, lists/tuples/dicts of them, numpy arrays,
+    framework tensors and nested records; annotations say what `from_item` rebuilds
+    (`np.ndarray`, `torch.Tensor`, a record type, `tuple[...]`). A plain class is made a
+    dataclass first.
+    """
+    if not dataclasses.is_dataclass(cls):
+        cls = typing.cast(_DC, dataclass(cls))
+
+    def into_item(self: Any, settings: PrecisionSettings) -> Item:
+        return {
+            f.name: to_item(getattr(self, f.name), settings, f.name)
+            for f in dataclasses.fields(self)
+        }
+
+    def from_item(klass: Any, item: Item, device: Any = None) -> Any:
+        if not isinstance(item, dict):
+            raise CorruptRecordError(f"{klass.__name__} record must be a map")
+        hints = _hints(klass)
+        names = [f.name for f in dataclasses.fields(klass) if f.init]
+        missing = [n for n in names if n not in item]
+        extra = [k for k in item if k not in names]
+        if missing or extra:
+            raise RecordMismatchError(
+                f"{klass.__name__} record fields differ: missing {missing}, unexpected {extra}"
+            )
+        return klass(**{n: from_item_as(hints.get(n, Any), item[n], device, n) for n in names})
+
+    cls.into_item = into_item  # type: ignore[attr-defined]
+    cls.from_item = classmethod(from_item)  # type: ignore[attr-defined]
+    return cls
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # unresolvable forward references: fall back to plain items
+        return {}
+
+
+# -- RNG state ----------------------------------------------------------------------------
+
+_ARRAY_DTYPES = {"uint32": np.uint32, "uint64": np.uint64, "int64": np.int64}
+
+
+def _encode_state(value: Any) -> Item:
+    """numpy bit-generator state (which holds 128-bit ints and uint arrays) as an item."""
+    if isinstance(value, dict):
+        return {str(k): _encode_state(v) for k, v in value.items()}
+    if isinstance(value, (bool, str, float)) or value is None:
+        return value
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        return v if -(2**63) <= v < 2**64 else {"bigint": hex(v)}
+    if isinstance(value, np.ndarray) and value.dtype.name in _ARRAY_DTYPES:
+        return {"array": value.dtype.name, "shape": list(value.shape),
+                "bytes": np.ascontiguousarray(value, value.dtype.newbyteorder("<")).tobytes()}
+    raise TypeError(f"cannot record RNG state value of type {type(value).__name__}")
+
+
+def _decode_state(item: Item, key: str) -> Any:
+    if isinstance(item, dict):
+        if set(item) == {"bigint"} and isinstance(item["bigint"], str):
+            try:
+                return int(item["bigint"], 16)
+            except ValueError:
+                raise CorruptRecordError("malformed bigint", key=key) from None
+        if set(item) == {"array", "shape", "bytes"}:
+            name, shape, data = item["array"], item["shape"], item["bytes"]
+            if name not in _ARRAY_DTYPES or not isinstance(data, bytes) or not isinstance(shape, list):
+                raise CorruptRecordError("malformed RNG state array", key=key)
+            dt = np.dtype(_ARRAY_DTYPES[str(name)]).newbyteorder("<")
+            if len(data) % dt.itemsize:
+                raise CorruptRecordError("malformed RNG state array", key=key)
+            arr = np.frombuffer(data, dt).astype(dt.newbyteorder("="))
+            try:
+                return arr.reshape([int(d) for d in shape if isinstance(d, int)])
+            except (ValueError, TypeError):
+                raise CorruptRecordError("malformed RNG state array shape", key=key) from None
+        return {k: _decode_state(v, join_key(key, k)) for k, v in item.items()}
+    if isinstance(item, list):
+        return [_decode_state(v, join_key(key, i)) for i, v in enumerate(item)]
+    return item
+
+
+@dataclass(frozen=True)
+class RngRecord:
+    """Python `random`'s state, numpy's legacy global state and the states of any
+    `numpy.random.Generator`s given to `capture` (in order)."""
+
+    python: Any
+    numpy_global: Any
+    generators: tuple[Any, ...] = ()
+
+    RECORD_NAME = "RngRecord"
+
+    @classmethod
+    def capture(cls, *generators: np.random.Generator) -> RngRecord:
+        """The current states (copies: later draws do not change the record)."""
+        for g in generators:
+            if not isinstance(g, np.random.Generator):
+                raise TypeError(f"expected numpy.random.Generator, got {type(g).__name__}")
+        version, internal, gauss = random.getstate()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        return cls(
+            python={"version": version, "state": list(internal), "gauss_next": gauss},
+            numpy_global=_encode_state(
+                {"bit_generator": name, "keys": np.array(keys), "pos": pos,
+                 "has_gauss": has_gauss, "cached_gaussian": cached}
+            ),
+            generators=tuple(_encode_state(g.bit_generator.state) for g in generators),
+        )
+
+    def apply(self, *generators: np.random.Generator) -> None:
+        """Put the recorded states back into `random`, numpy's global RNG and `generators`
+        (as many, in the same order, of the same bit generators, as were captured)."""
+        if len(generators) != len(self.generators):
+            raise ValueError(
+                f"record holds {len(self.generators)} generator states, {len(generators)} given"
+            )
+        states = [_decode_state(s, f"generators.{i}") for i, s in enumerate(self.generators)]
+        for i, (g, s) in enumerate(zip(generators, states)):
+            have = type(g.bit_generator).__name__
+            if not isinstance(s, dict) or s.get("bit_generator") != have:
+                raise RecordMismatchError(
+                    f"generator {i} is {have}, the record holds {s.get('bit_generator') if isinstance(s, dict) else s!r}"
+                )
+        py = self.python
+        np_state = _decode_state(self.numpy_global, "numpy_global")
+        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+        np.random.set_state(
+            (np_state["bit_generator"], np_state["keys"], np_state["pos"],
+             np_state["has_gauss"], np_state["cached_gaussian"])
+        )
+        for g, s in zip(generators, states):
+            g.bit_generator.state = s
+
+    def into_item(self, settings: PrecisionSettings) -> Item:
+        return {"python": self.python, "numpy_global": self.numpy_global,
+                "generators": list(self.generators)}
+
+    @classmethod
+    def from_item(cls, item: Item, device: Any = None) -> RngRecord:
+        if not isinstance(item, dict) or set(item) != {"python", "numpy_global", "generators"}:
+            raise CorruptRecordError("RngRecord must be {python, numpy_global, generators}")
+        py = item["python"]
+        if (
+            not isinstance(py, dict)
+            or not isinstance(py.get("state"), list)
+            or not all(isinstance(x, int) for x in py["state"])  # type: ignore[union-attr]
+            or not isinstance(py.get("version"), int)
+        ):
+            raise CorruptRecordError("malformed Python random state", key="python")
+        gens = item["generators"]
+        if not isinstance(gens, list):
+            raise CorruptRecordError("generators must be a list", key="generators")
+        np_state = _decode_state(item["numpy_global"], "numpy_global")
+        if not isinstance(np_state, dict) or not {"bit_generator", "keys", "pos"} <= set(np_state):
+            raise CorruptRecordError("malformed numpy global state", key="numpy_global")
+        return cls(python=py, numpy_global=item["numpy_global"], generators=tuple(gens))
+
+
+# -- helpers adapters use to validate component records -----------------------------------
+
+
+def expect_kind(record: Any, kind: str, component: str) -> Item:
+    """The item of `record` when it is a `StateRecord` of `kind`; `RecordMismatchError`
+    (keyed by `component`) otherwise."""
+    if not isinstance(record, StateRecord):
+        raise RecordMismatchError(
+            f"expected a StateRecord, got {type(record).__name__}", key=component
+        )
+    if record.kind != kind:
+        raise RecordMismatchError(
+            f"record is of kind {record.kind!r}, the live {component} is {kind!r}", key=component
+        )
+    return record.item
+
+
+def check_tensor_map(
+    item: Item,
+    expected: dict[str, tuple[tuple[int, ...], Any]],
+    component: str,
+    *,
+    allow_subset: bool = False,
+) -> dict[str, TensorData]:
+    """Check that `item` maps exactly the names of `expected` (or a subset, when
+    `allow_subset`) to tensors of the expected shapes and dtype kinds (float, int, bool:
+    a float may be restored into another float dtype). `expected` maps a name to
+    (shape, DType). Reports every mismatch at once in a `RecordMismatchError`."""
+    if not isinstance(item, dict):
+        raise RecordMismatchError("expected a map of tensors", key=component)
+    problems: list[str] = []
+    missing = [] if allow_subset else [k for k in expected if k not in item]
+    extra = [k for k in item if k not in expected]
+    if missing:
+        problems.append(f"missing {missing}")
+    if extra:
+        problems.append(f"not in the live {component}: {extra}")
+    out: dict[str, TensorData] = {}
+    for name, value in item.items():
+        if name not in expected:
+            continue
+        shape, dtype = expected[name]
+        if not isinstance(value, TensorData):
+            problems.append(f"{name}: not a tensor")
+            continue
+        if value.shape != tuple(shape):
+            problems.append(f"{name}: shape {value.shape} in the record, {tuple(shape)} live")
+        elif _kind_of(value.dtype) != _kind_of(dtype):
+            problems.append(f"{name}: dtype {value.dtype.value} in the record, {dtype.value} live")
+        out[name] = value
+    if problems:
+        raise RecordMismatchError("; ".join(problems), key=component)
+    return out
+
+
+def _kind_of(dtype: Any) -> str:
+    return "float" if dtype.is_float else "int" if dtype.is_int else "bool"

@@ -1,0 +1,123 @@
+"""`TensorData`: a framework-free host tensor (dtype, shape, little-endian C-order bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .dtypes import DType
+
+__all__ = ["TensorData"]
+
+_Loader = Callable[[], "np.ndarray[Any, Any]"]
+
+
+class TensorData:
+    """An immutable host tensor.
+
+    The values live in a read-only, C-contiguous, little-endian numpy array (`array`).
+    A `TensorData` loaded lazily (`mmap=True`) reads and verifies its bytes the first
+    time `array` is touched; `dtype`, `shape` and `nbytes` never touch the bytes.
+    """
+
+    __slots__ = ("_array", "_dtype", "_loader", "_shape")
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], loader: _Loader) -> None:
+        self._dtype = dtype
+        self._shape = shape
+        self._loader: _Loader | None = loader
+        self._array: np.ndarray[Any, Any] | None = None
+
+    @classmethod
+    def from_array(cls, array: Any, *, copy: bool = True) -> TensorData:
+        """Record a numpy (or array-API) array. With `copy=True` later writes to `array`
+        do not change the record; `copy=False` only views an array the caller will not
+        touch again."""
+        arr = np.asarray(array)
+        dtype = DType.from_numpy(arr.dtype)
+        target = dtype.numpy
+        if copy or arr.dtype != target or not arr.flags.c_contiguous:
+            arr = np.array(arr, dtype=target, order="C", copy=True)
+        arr.flags.writeable = False
+        return cls._ready(dtype, tuple(int(d) for d in arr.shape), arr)
+
+    @classmethod
+    def from_bytes(cls, dtype: DType, shape: tuple[int, ...], data: bytes) -> TensorData:
+        """A tensor from its little-endian C-order bytes; raises `ValueError` on a size mismatch."""
+        count = _count(shape)
+        if len(data) != count * dtype.itemsize:
+            raise ValueError(
+                f"{len(data)} bytes do not hold a {dtype.value} tensor of shape {shape}"
+            )
+        arr = np.frombuffer(data, dtype=dtype.numpy, count=count).reshape(shape)
+        return cls._ready(dtype, shape, arr)
+
+    @classmethod
+    def _ready(cls, dtype: DType, shape: tuple[int, ...], arr: np.ndarray[Any, Any]) -> TensorData:
+        td = cls.__new__(cls)
+        td._dtype, td._shape, td._loader, td._array = dtype, shape, None, arr
+        return td
+
+    @property
+    def dtype(self) -> DType:
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    @property
+    def numel(self) -> int:
+        return _count(self._shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self._dtype.itemsize
+
+    @property
+    def is_loaded(self) -> bool:
+        """False while a lazily loaded tensor has not read (and verified) its bytes yet."""
+        return self._array is not None
+
+    @property
+    def array(self) -> np.ndarray[Any, Any]:
+        """The values as a read-only numpy array (reads and verifies lazy data on first use;
+        may raise `ChecksumError`)."""
+        if self._array is None:
+            assert self._loader is not None
+            arr = self._loader()
+            arr.flags.writeable = False
+            self._array, self._loader = arr, None
+        return self._array
+
+    def to_bytes(self) -> bytes:
+        """The little-endian C-order bytes."""
+        return self.array.tobytes()
+
+    def cast(self, dtype: DType) -> TensorData:
+        """This tensor converted to `dtype` (itself when it already has that dtype)."""
+        if dtype is self._dtype:
+            return self
+        with np.errstate(all="ignore"):  # lossy casts are allowed here; save() checks first
+            converted = self.array.astype(dtype.numpy)
+        return TensorData.from_array(converted, copy=False)
+
+    def bitwise_equal(self, other: TensorData) -> bool:
+        """Same dtype, same shape, same bytes (NaN payloads and signed zeros included)."""
+        return (
+            self._dtype is other._dtype
+            and self._shape == other._shape
+            and self.array.tobytes() == other.array.tobytes()
+        )
+
+    def __repr__(self) -> str:
+        return f"TensorData({self._dtype.value}, shape={self._shape})"
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,268 @@
+"""`TrainingRecord`: model, optimizer, scheduler, pending gradients and caller state in
+one record, captured at any micro-step and restored exactly.
+
+Data path of a save: `capture` (host copies) -> `into_item` (5-item list) -> recorder ->
+bytes. A load is the same path backwards; `restore` checks every component against the
+live objects before it mutates any of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .accumulator import GradientsAccumulator
+from .errors import CorruptRecordError, LossyPrecisionError, RecorderError, RecordMismatchError
+from .gradients import GradientsParamsRecord
+from .items import Item, check_item
+from .precision import NativePrecisionSettings, first_lossy
+from .protocols import AutodiffModule, PrecisionSettings, Recorder
+from .records import StateRecord
+from .registry import adapt_module, adapt_optimizer, adapt_scheduler
+
+__all__ = ["TrainingRecord", "RestoredTraining"]
+
+U = TypeVar("U")
+_NATIVE = NativePrecisionSettings()
+_COMPONENTS = ("model", "optimizer", "scheduler", "grads", "state")
+
+
+@dataclass
+class RestoredTraining(Generic[U]):
+    """What `TrainingRecord.restore` returns: the caller's objects, restored, a new
+    accumulator holding the pending gradients, and the caller's state. Apply the state
+    before consuming the next training batch."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    accumulator: GradientsAccumulator[Any]
+    state: U
+
+
+class TrainingRecord(Generic[U]):
+    """One record containing the trainable state and a caller-defined continuation record.
+
+    Capture at a training boundary with no concurrent updates. The caller's state
+    carries its counters and any available input/RNG records; this type does not infer
+    them or snapshot a DataLoader. Recorder precision settings apply to all component
+    records and must preserve their values for exact continuation.
+    """
+
+    RECORD_NAME = "TrainingRecord"
+
+    def __init__(
+        self,
+        model: StateRecord,
+        optimizer: StateRecord,
+        scheduler: StateRecord | None,
+        grads: GradientsParamsRecord,
+        state_item: Item,
+        state_type: type[U] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.grads = grads
+        self._state_item = state_item
+        self._state_type = state_type
+
+    # -- capture ---------------------------------------------------------------------------
+
+    @classmethod
+    def capture(
+        cls, model: Any, optimizer: Any, scheduler: Any, accumulator: GradientsAccumulator[Any],
+        state: U,
+    ) -> TrainingRecord[U]:
+        """Capture the components without consuming the model or clearing gradients."""
+        m, o, s = _bind(model, optimizer, scheduler)
+        grads = accumulator.try_to_record()
+        return cls._assemble(m, o, s, grads, state)
+
+    @classmethod
+    async def capture_async(
+        cls, model: Any, optimizer: Any, scheduler: Any, accumulator: GradientsAccumulator[Any],
+        state: U,
+    ) -> TrainingRecord[U]:
+        """Capture with asynchronous gradient readback; no recorder I/O is performed."""
+        m, o, s = _bind(model, optimizer, scheduler)
+        grads = await accumulator.to_record_async()
+        return cls._assemble(m, o, s, grads, state)
+
+    @classmethod
+    def _assemble(
+        cls, m: AutodiffModule, o: Any, s: Any, grads: GradientsParamsRecord, state: U
+    ) -> TrainingRecord[U]:
+        if not hasattr(state, "into_item"):
+            raise TypeError(
+                f"state must be a Record (e.g. a @trainrec.record dataclass), got "
+                f"{type(state).__name__}"
+            )
+        state_item = state.into_item(_NATIVE)
+        return cls(
+            _as_state(m.into_record()),
+            _as_state(o.into_record(m)),
+            None if s is None else _as_state(s.into_record()),
+            grads,
+            state_item,
+            type(state),
+        )
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> Any:
+        """The caller's state, rebuilt as its record type (the raw item tree when the
+        record was loaded without `state_type`)."""
+        return self._state_on(None)
+
+    def _state_on(self, device: Any) -> Any:
+        if self._state_type is None:
+            return self._state_item
+        try:
+            return self._state_type.from_item(self._state_item, device)  # type: ignore[attr-defined]
+        except RecorderError:
+            raise
+        except (TypeError, ValueError, KeyError) as e:
+            raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state") from e
+
+    # -- items and recorders ---------------------------------------------------------------
+
+    def into_item(self, settings: PrecisionSettings) -> Item:
+        """The record as a 5-item list: model, optimizer, scheduler, grads, state."""
+        from .precision import convert_item
+
+        return [
+            self.model.into_item(settings),
+            self.optimizer.into_item(settings),
+            None if self.scheduler is None else self.scheduler.into_item(settings),
+            self.grads.into_item(settings),
+            convert_item(self._state_item, settings),
+        ]
+
+    @classmethod
+    def from_item(
+        cls, item: Item, device: Any = None, state_type: type[U] | None = None
+    ) -> TrainingRecord[U]:
+        """Rebuild from a 5-item list; raises `CorruptRecordError` naming the bad component."""
+        if not isinstance(item, list) or len(item) != 5:
+            raise CorruptRecordError(
+                "a TrainingRecord item is a list of 5: model, optimizer, scheduler, grads, state"
+            )
+        model_i, opt_i, sched_i, grads_i, state_i = item
+        record = cls(
+            StateRecord.from_item(model_i, device, key="model"),
+            StateRecord.from_item(opt_i, device, key="optimizer"),
+            None if sched_i is None else StateRecord.from_item(sched_i, device, key="scheduler"),
+            GradientsParamsRecord.from_item(grads_i, device, key="grads"),
+            check_item(state_i, "state"),
+            state_type,
+        )
+        if state_type is not None:
+            record._state_on(device)  # reject a state that does not rebuild now, not later
+        return record
+
+    def save(self, recorder: Recorder, args: Any = None, *, allow_lossy: bool = False) -> Any:
+        """Save all components in one recorder payload.
+
+        Raises `LossyPrecisionError` naming the first tensor whose value the recorder's
+        precision settings would change, unless `allow_lossy=True`."""
+        item = self.into_item(_NATIVE)
+        if not allow_lossy:
+            path = first_lossy(item, recorder.settings)
+            if path is not None:
+                path = _component_path(path)
+                raise LossyPrecisionError(
+                    f"{recorder.settings.name} precision would change values of this tensor; "
+                    "use a recorder with wider settings or save(..., allow_lossy=True)",
+                    key=path,
+                )
+        return recorder.save_item(item, args, self.RECORD_NAME)
+
+    @classmethod
+    def load(
+        cls, recorder: Recorder, args: Any, device: Any = None, *, state_type: type[U] | None = None,
+        **load_kw: Any,
+    ) -> TrainingRecord[U]:
+        """Read a combined record using the selected recorder and device."""
+        loader = getattr(recorder, "read", None)
+        if loader is not None:
+            header, item = loader(args, **load_kw)
+            if header.record_type != cls.RECORD_NAME:
+                raise RecordMismatchError(
+                    f"payload holds a {header.record_type}, not a TrainingRecord", source=str(args)
+                )
+        else:
+            item = recorder.load_item(args)
+        return cls.from_item(item, device, state_type)
+
+    # -- restore ---------------------------------------------------------------------------
+
+    def restore(self, model: Any, optimizer: Any, scheduler: Any, device: Any) -> RestoredTraining[U]:
+        """Restore onto compatible model, optimizer and scheduler configurations.
+
+        Every component is checked first (ParamIds, shapes, dtypes, optimizer kind,
+        scheduler presence); on a `RecorderError` nothing has changed. No scheduler step,
+        optimizer step or gradient reset is performed. Apply the returned caller state
+        before consuming the next training batch."""
+        m, o, s = _bind(model, optimizer, scheduler)
+        m.check_record(self.model)
+        o.check_record(self.optimizer, m)
+        if (s is None) != (self.scheduler is None):
+            raise RecordMismatchError(
+                "the record holds scheduler state but scheduler=None was given"
+                if s is None
+                else "the record holds no scheduler state but a scheduler was given",
+                key="scheduler",
+            )
+        if s is not None and self.scheduler is not None:
+            s.check_record(self.scheduler)
+        _check_grads(self.grads, m)
+        accumulator: GradientsAccumulator[Any] = GradientsAccumulator(backend=m.backend)
+        accumulator.load_record(self.grads, device)
+        state = self._state_on(device)
+        m.load_record(self.model, device)
+        o.load_record(self.optimizer, m, device)
+        if s is not None and self.scheduler is not None:
+            s.load_record(self.scheduler)
+        return RestoredTraining(model, optimizer, scheduler, accumulator, state)
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainingRecord(model={self.model.kind}, optimizer={self.optimizer.kind}, "
+            f"scheduler={None if self.scheduler is None else self.scheduler.kind}, "
+            f"pending={len(self.grads.grads)})"
+        )
+
+
+def _bind(model: Any, optimizer: Any, scheduler: Any) -> tuple[AutodiffModule, Any, Any]:
+    return (
+        adapt_module(model),
+        adapt_optimizer(optimizer),
+        None if scheduler is None else adapt_scheduler(scheduler),
+    )
+
+
+def _as_state(record: Any) -> StateRecord:
+    if isinstance(record, StateRecord):
+        return record
+    raise TypeError(f"adapters must return StateRecord, got {type(record).__name__}")
+
+
+def _check_grads(grads: GradientsParamsRecord, module: AutodiffModule) -> None:
+    shapes = module.param_shapes()
+    for pid, t in grads.grads.items():
+        if pid not in shapes:
+            raise RecordMismatchError("pending gradient for a parameter the model lacks", key=f"grads.{pid}")
+        if tuple(shapes[pid]) != t.shape:
+            raise RecordMismatchError(
+                f"pending gradient has shape {t.shape}, parameter has {tuple(shapes[pid])}",
+                key=f"grads.{pid}",
+            )
+
+
+def _component_path(path: str) -> str:
+    head, _, rest = path.partition(".")
+    if head.isdigit() and int(head) < len(_COMPONENTS):
+        return f"{_COMPONENTS[int(head)]}.{rest}" if rest else _COMPONENTS[int(head)]
+    return path

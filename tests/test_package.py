@@ -1,0 +1,75 @@
+"""Packaging: the wheel installs into a fresh venv; importing trainrec imports no framework."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_trainrec_imports_no_framework():
+    code = (
+        "import sys, trainrec, trainrec.adapters.numpy as tn, numpy as np\n"
+        "trainrec.adapt(np.zeros(2)); trainrec.adapt(tn.MLP([2, 2]))\n"
+        "bad = [m for m in ('torch', 'jax', 'jaxlib', 'flax', 'optax') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_core_has_no_framework_imports():
+    offenders = []
+    for path in (ROOT / "core").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            s = line.strip()
+            if s.startswith(("import ", "from ")):
+                mod = s.split()[1].split(".")[0]
+                if mod in {"torch", "jax", "jaxlib", "flax", "optax"}:
+                    offenders.append(f"{path.name}: {s}")
+    assert not offenders
+
+
+def test_wheel_installs_into_a_fresh_venv(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(dist), str(ROOT)],
+        check=True,
+    )
+    (wheel,) = dist.glob("trainrec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for expected in ("trainrec/__init__.py", "trainrec/py.typed", "trainrec/adapters/numpy/mlp.py"):
+        assert expected in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "trainrec = trainrec.cli:main" in text and "[trainrec.adapters]" in text
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    deps = sysconfig.get_paths()["purelib"]  # numpy, msgpack, ml_dtypes from this env
+    env = {**os.environ, "PYTHONPATH": deps}
+    out = subprocess.run(
+        [str(py), "-c", "import trainrec, trainrec.adapters.numpy; print(trainrec.__file__)"],
+        check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
+    )
+    assert str(env_dir) in out.stdout
+    cli = subprocess.run([str(env_dir / "bin" / "trainrec"), "--help"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert cli.returncode == 0 and "demo" in cli.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["demo", "--help"], ["inspect", "--help"],
+                                  ["verify", "--help"]])
+def test_cli_help(args):
+    out = subprocess.run([sys.executable, "-m", "trainrec", *args], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage" in out.stdout
