@@ -40,6 +40,8 @@ class TensorData:
         target = dtype.numpy
         if copy or arr.dtype != target or not arr.flags.c_contiguous:
             arr = np.array(arr, dtype=target, order="C", copy=True)
+        else:
+            arr = arr.view()  # flag a view read-only, never the caller's array
         arr.flags.writeable = False
         return cls._ready(dtype, tuple(int(d) for d in arr.shape), arr)
 

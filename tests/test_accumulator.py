@@ -7,6 +7,7 @@ import asyncio
 import ml_dtypes
 import numpy as np
 import pytest
+
 from trainrec import (
     CorruptRecordError,
     DType,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+
 import trainrec
 from trainrec import NamedMpkBytesRecorder, NativePrecisionSettings, RecordMismatchError, RngRecord
 

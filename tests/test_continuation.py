@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from trainrec import read_file
 from trainrec.demo import compare_items
 

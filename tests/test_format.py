@@ -11,6 +11,7 @@ import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+
 import trainrec
 from trainrec import (
     ChecksumError,
@@ -329,3 +330,12 @@ def test_header_reports_settings_and_record(tmp_path):
     header, item = trainrec.read_file(path)
     assert header.settings == HalfPrecisionSettings()
     assert header.record_type == "Thing" and header.version == (1, 0) and item == {"x": 1}
+
+
+def test_from_array_never_changes_the_callers_array():
+    arr = np.arange(4, dtype=np.float32)
+    view = TensorData.from_array(arr, copy=False)
+    assert arr.flags.writeable and not view.array.flags.writeable
+    copied = TensorData.from_array(arr)
+    arr[0] = 9
+    assert copied.array[0] == 0 and view.array[0] == 9

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+
 from trainrec import DType, Precision, TensorData, first_lossy, is_lossless
 from trainrec.precision import (
     DoublePrecisionSettings,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 import trainrec
 from trainrec import registry
 from trainrec.adapters.numpy import MLP, NumpyBackend

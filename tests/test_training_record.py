@@ -7,6 +7,7 @@ import copy
 
 import numpy as np
 import pytest
+
 import trainrec
 from trainrec import (
     CompactRecorder,

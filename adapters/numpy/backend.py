@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from trainrec import DType
 
 __all__ = ["NumpyBackend", "NumpyAdapter", "ADAPTER"]

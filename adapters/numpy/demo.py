@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 import numpy as np
+
 import trainrec
 from trainrec import GradientsParams, RngRecord
 from trainrec.demo import Parts

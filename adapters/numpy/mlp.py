@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
 from trainrec import DType, GradientsParams, StateRecord, TensorData
 from trainrec.records import check_tensor_map, expect_kind
 

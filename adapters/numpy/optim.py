@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 import numpy as np
+
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
 from trainrec.items import Item
 from trainrec.records import check_tensor_map, expect_kind
