@@ -89,10 +89,18 @@ RECORDERS: dict[str, Recorder] = {
 }
 
 
-def load_workload(backend: str) -> Workload:
+def load_workload(backend: str, variant: str = "default") -> Workload:
+    """The adapter's workload: `WORKLOADS[variant]` of `trainrec.adapters.<backend>.demo`."""
     module = importlib.import_module(f"trainrec.adapters.{backend}.demo")
-    workload: Workload = module.WORKLOAD
-    return workload
+    workloads: dict[str, Workload] = getattr(module, "WORKLOADS", {"default": module.WORKLOAD})
+    if variant not in workloads:
+        raise ValueError(f"{backend} has no workload {variant!r}; it has {sorted(workloads)}")
+    return workloads[variant]
+
+
+def recorders_for(workload: Workload) -> dict[str, Recorder]:
+    """The core recorders plus any the workload's adapter offers (`recorders` attribute)."""
+    return {**RECORDERS, **getattr(workload, "recorders", {})}
 
 
 def best_backend() -> str:
@@ -107,6 +115,11 @@ def best_backend() -> str:
     return "numpy"
 
 
+def checkpoint_path(base: Path, at: int, recorder: str) -> Path:
+    """Where a `checkpoint` role given several micro-steps or recorders writes each file."""
+    return base.with_name(f"{base.name}-{at}-{recorder}")
+
+
 def _train(workload: Workload, parts: Parts, until: int, window: int) -> None:
     while parts.state.micro < until:
         workload.micro_step(parts)
@@ -115,8 +128,8 @@ def _train(workload: Workload, parts: Parts, until: int, window: int) -> None:
             workload.apply_window(parts, window)
 
 
-def _save(record: TrainingRecord[Any], recorder_name: str, path: Path) -> None:
-    recorder = RECORDERS[recorder_name]
+def _save(workload: Workload, record: TrainingRecord[Any], recorder_name: str, path: Path) -> None:
+    recorder = recorders_for(workload)[recorder_name]
     if isinstance(recorder, NamedMpkBytesRecorder):
         path.write_bytes(record.save(recorder, None))
     else:
@@ -124,7 +137,7 @@ def _save(record: TrainingRecord[Any], recorder_name: str, path: Path) -> None:
 
 
 def _load(workload: Workload, recorder_name: str, path: Path) -> TrainingRecord[Any]:
-    recorder = RECORDERS[recorder_name]
+    recorder = recorders_for(workload)[recorder_name]
     args: Any = path.read_bytes() if isinstance(recorder, NamedMpkBytesRecorder) else path
     return TrainingRecord.load(recorder, args, workload.device, state_type=workload.state_type)
 
@@ -143,14 +156,20 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--window", type=int, required=True)
-    p.add_argument("--at", type=int, default=0)
-    p.add_argument("--recorder", default="mpk", choices=sorted(RECORDERS))
+    p.add_argument("--at", type=int, nargs="+", default=[0],
+                   help="micro-steps to checkpoint after (several: one file each)")
+    p.add_argument("--recorder", nargs="+", default=["mpk"],
+                   help="recorders to checkpoint with (resume: the first)")
+    p.add_argument("--variant", default="default")
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--out", type=Path)
     p.add_argument("--drop-pending", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    workload = load_workload(a.backend)
+    workload = load_workload(a.backend, a.variant)
+    unknown = [r for r in a.recorder if r not in recorders_for(workload)]
+    if unknown:
+        p.error(f"--recorder must be among {sorted(recorders_for(workload))}, not {unknown}")
     parts = workload.build(a.seed)
     final = NamedMpkFileRecorder(NativePrecisionSettings())
 
@@ -159,17 +178,22 @@ def run_role(argv: Sequence[str] | None = None) -> int:
         _capture(workload, parts).save(final, a.out)
         return 0
     if a.role in ("checkpoint", "train"):
-        _train(workload, parts, a.at, a.window)
-        t0 = time.perf_counter()
-        _save(_capture(workload, parts), a.recorder, a.checkpoint)
-        print(json.dumps({"checkpointed": a.at, "save_s": time.perf_counter() - t0}), flush=True)
+        several = len(a.at) > 1 or len(a.recorder) > 1
+        for at in sorted(a.at):
+            _train(workload, parts, at, a.window)
+            for name in a.recorder:
+                path = checkpoint_path(a.checkpoint, at, name) if several else a.checkpoint
+                t0 = time.perf_counter()
+                _save(workload, _capture(workload, parts), name, path)
+                print(json.dumps({"checkpointed": at, "recorder": name,
+                                  "save_s": time.perf_counter() - t0}), flush=True)
         if a.role == "train":
             _train(workload, parts, a.steps, a.window)
             while True:  # wait to be killed, as a training job would be
                 time.sleep(0.05)
         return 0
     t0 = time.perf_counter()
-    record = _load(workload, a.recorder, a.checkpoint)
+    record = _load(workload, a.recorder[0], a.checkpoint)
     restored = record.restore(parts.model, parts.optimizer, parts.scheduler, workload.device)
     load_s = time.perf_counter() - t0
     parts.state = restored.state

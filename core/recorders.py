@@ -23,6 +23,7 @@ from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePreci
 from .protocols import PrecisionSettings, Record
 
 __all__ = [
+    "RecorderBase",
     "NamedMpkFileRecorder",
     "NamedMpkGzFileRecorder",
     "NamedMpkBytesRecorder",
@@ -40,8 +41,10 @@ def record_name(record_type: type[Any]) -> str:
     return str(getattr(record_type, "RECORD_NAME", record_type.__name__))
 
 
-class _NamedMpkRecorder:
-    """Shared logic; subclasses say where the document goes."""
+class RecorderBase:
+    """Base of trainrec's recorders (adapters' too): `record` / `load` / `load_item` in
+    terms of two methods a subclass provides, `save_item(item, args, record_type)` and
+    `read(args, mmap=False) -> (Header, Item)`. Precision settings default to Full."""
 
     def __init__(self, settings: PrecisionSettings | None = None) -> None:
         if settings is not None and not isinstance(settings, PrecisionSettings):
@@ -85,7 +88,7 @@ class _NamedMpkRecorder:
         return str(args)
 
 
-class NamedMpkFileRecorder(_NamedMpkRecorder):
+class NamedMpkFileRecorder(RecorderBase):
     """NamedMpk in a plain file (`.mpk` by convention). Args: a path; output: the `Path`.
 
     `load(..., mmap=True)` maps the file and hands out zero-copy read-only tensors whose
@@ -122,7 +125,7 @@ class NamedMpkFileRecorder(_NamedMpkRecorder):
         return read_document(buf, source, lazy=mmap)
 
 
-class NamedMpkGzFileRecorder(_NamedMpkRecorder):
+class NamedMpkGzFileRecorder(RecorderBase):
     """NamedMpk compressed with gzip (`.mpk.gz`). Args: a path; output: the `Path`.
 
     Loading decompresses into memory (at most `max_bytes`, default 64 GiB, so a
@@ -164,7 +167,7 @@ class NamedMpkGzFileRecorder(_NamedMpkRecorder):
         return read_document(buf, source, lazy=mmap)
 
 
-class NamedMpkBytesRecorder(_NamedMpkRecorder):
+class NamedMpkBytesRecorder(RecorderBase):
     """NamedMpk in memory. Save args: None; output: `bytes`. Load args: a bytes-like
     object; loaded tensors are read-only views of it."""
 

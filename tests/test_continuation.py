@@ -17,9 +17,10 @@ from trainrec.demo import compare_items
 STEPS, WINDOW, BASE = 16, 4, 8
 
 
-def role(backend: str, name: str, **kw) -> None:
+def role(backend: str, name: str, steps: int = STEPS, **kw) -> None:
+    """Run one role of `python -m trainrec.demo` in a fresh process."""
     cmd = [sys.executable, "-m", "trainrec.demo", name, "--backend", backend,
-           "--steps", str(STEPS), "--window", str(WINDOW)]
+           "--steps", str(steps), "--window", str(WINDOW)]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     subprocess.run(cmd, check=True)

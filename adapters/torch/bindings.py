@@ -1,0 +1,350 @@
+"""Bindings of native torch objects to trainrec's protocols, and the adapter that finds them.
+
+- `TorchModule(nn.Module)`: ParamIds from `named_parameters()`; the record is the whole
+  `state_dict` (persistent buffers too), tied tensors stored once, plus every parameter's
+  `.grad` that is not None (gradients accumulated natively with repeated `backward()`
+  are pending gradients too); restore copies in place under `no_grad`, so optimizers
+  keep pointing at the live parameters, and sets `.grad` to the recorded value or None.
+- `TorchOptimizer(Optimizer)`: `state_dict` re-keyed from position to ParamId, with every
+  param-group hyperparameter.
+- `TorchLrScheduler(LRScheduler | ReduceLROnPlateau)`: `state_dict`. Functions (the
+  lambdas of LambdaLR) are code, not data: torch records them as None and they come from
+  the caller's program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainrec import RecordMismatchError, StateRecord, TensorData
+from trainrec.items import Item, join_key
+from trainrec.records import check_tensor_map, expect_kind
+
+from .backend import TorchBackend, from_torch_dtype, numpy_to_tensor
+
+__all__ = ["TorchModule", "TorchOptimizer", "TorchLrScheduler", "TorchAdapter", "ADAPTER",
+           "encode", "decode"]
+
+_BACKEND = TorchBackend()
+_PAIRS = "__pairs__"
+
+
+# -- plain Python values of state_dicts <-> items -----------------------------------------
+
+
+def encode(value: Any, key: str = "") -> Item:
+    """A state_dict value as an item: tensors become host copies, tuples lists, dicts with
+    non-str keys (MultiStepLR's Counter) `{"__pairs__": [[k, v], ...]}`."""
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_array(_BACKEND.to_host(value), copy=False)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [encode(v, join_key(key, i)) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value):
+            return {k: encode(v, join_key(key, k)) for k, v in value.items()}
+        return {_PAIRS: [[encode(k, key), encode(v, join_key(key, str(k)))] for k, v in value.items()]}
+    raise TypeError(
+        f"state value {type(value).__qualname__} at {key or 'root'!r} is not data trainrec can "
+        "record (tensors, numbers, str, bytes, None, lists, tuples, dicts)"
+    )
+
+
+def decode(item: Item, like: Any = None) -> Any:
+    """The inverse of `encode`; `like` (the live value, when known) restores tuples and
+    dict subclasses such as `Counter`. Tensors come back as CPU tensors."""
+    if isinstance(item, TensorData):
+        return numpy_to_tensor(item.array)
+    if isinstance(item, list):
+        template = list(like) if isinstance(like, (list, tuple)) and len(like) == len(item) else [None] * len(item)
+        out = [decode(v, t) for v, t in zip(item, template)]
+        return tuple(out) if isinstance(like, tuple) else out
+    if isinstance(item, dict):
+        if set(item) == {_PAIRS} and isinstance(item[_PAIRS], list):
+            pairs = [(decode(p[0]), p[1]) for p in item[_PAIRS] if isinstance(p, list) and len(p) == 2]
+            d: dict[Any, Any] = {k: decode(v, like.get(k) if isinstance(like, Mapping) else None) for k, v in pairs}
+        else:
+            d = {k: decode(v, like.get(k) if isinstance(like, Mapping) else None) for k, v in item.items()}
+        if isinstance(like, dict) and type(like) is not dict:
+            return type(like)(d)
+        return d
+    return item
+
+
+# -- module -------------------------------------------------------------------------------
+
+
+class TorchModule:
+    """A native `nn.Module` as an `AutodiffModule`."""
+
+    kind = "torch.nn.Module"
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"expected torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+
+    @property
+    def backend(self) -> TorchBackend:
+        return _BACKEND
+
+    def param_ids(self) -> list[str]:
+        return [name for name, _ in self.module.named_parameters()]
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(p.shape) for name, p in self.module.named_parameters()}
+
+    def _live(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Unique state tensors by name, and aliases (tied names) -> the name kept."""
+        unique: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        seen: dict[int, str] = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state_dict entry {name!r} is {type(t).__name__}, not a tensor")
+            if id(t) in seen:
+                aliases[name] = seen[id(t)]
+            else:
+                seen[id(t)] = name
+                unique[name] = t
+        return unique, aliases
+
+    def into_record(self) -> StateRecord:
+        unique, aliases = self._live()
+        tensors: dict[str, Item] = {
+            k: TensorData.from_array(_BACKEND.to_host(v), copy=False) for k, v in unique.items()
+        }
+        aliases_item: dict[str, Item] = dict(aliases)
+        grads: dict[str, Item] = {
+            name: TensorData.from_array(_BACKEND.to_host(p.grad), copy=False)
+            for name, p in self.module.named_parameters()
+            if p.grad is not None
+        }
+        return StateRecord(self.kind, {"tensors": tensors, "aliases": aliases_item, "grads": grads})
+
+    def _checked(
+        self, record: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, TensorData], dict[str, TensorData]]:
+        item = expect_kind(record, self.kind, "model")
+        if not isinstance(item, dict) or set(item) != {"tensors", "aliases", "grads"}:
+            raise RecordMismatchError(
+                "torch module record must be {tensors, aliases, grads}", key="model"
+            )
+        unique, aliases = self._live()
+        if item["aliases"] != aliases:
+            raise RecordMismatchError(
+                f"tied parameters differ: record {item['aliases']}, live {aliases}", key="model.aliases"
+            )
+        expected = {k: (tuple(v.shape), from_torch_dtype(v.dtype)) for k, v in unique.items()}
+        params = {k: (tuple(p.shape), from_torch_dtype(p.dtype)) for k, p in self.module.named_parameters()}
+        return (
+            unique,
+            check_tensor_map(item["tensors"], expected, "model"),
+            check_tensor_map(item["grads"], params, "model.grads", allow_subset=True),
+        )
+
+    def check_record(self, record: Any) -> None:
+        self._checked(record)
+
+    def load_record(self, record: Any, device: Any) -> None:
+        live, tensors, grads = self._checked(record)
+        staged = {k: numpy_to_tensor(t.array).to(live[k].dtype) for k, t in tensors.items()}
+        params = dict(self.module.named_parameters())
+        staged_grads = {
+            k: numpy_to_tensor(t.array).to(device=params[k].device, dtype=params[k].dtype)
+            for k, t in grads.items()
+        }
+        with torch.no_grad():
+            for k, v in staged.items():
+                live[k].copy_(v)
+        for k, p in params.items():
+            p.grad = staged_grads.get(k)
+
+
+# -- optimizer ----------------------------------------------------------------------------
+
+
+def _kind(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class TorchOptimizer:
+    """A native `torch.optim.Optimizer` as an `Optimizer`, keyed by ParamId."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    @property
+    def kind(self) -> str:
+        return _kind(self.optimizer)
+
+    def _ids(self, module: Any) -> list[list[str]]:
+        """ParamIds of every param group, in the optimizer's own order."""
+        names = {id(p): n for n, p in _torch_module(module).named_parameters()}
+        groups = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            ids = []
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise TypeError(
+                        f"param group {gi} of the optimizer holds a parameter that is not in "
+                        "the model: build the optimizer from model.parameters()"
+                    )
+                ids.append(names[id(p)])
+            groups.append(ids)
+        return groups
+
+    def into_record(self, module: Any) -> StateRecord:
+        sd = self.optimizer.state_dict()
+        groups = self._ids(module)
+        flat = [pid for ids in groups for pid in ids]
+        state: dict[str, Item] = {flat[i]: encode(s, flat[i]) for i, s in sd["state"].items()}
+        group_items: list[Item] = []
+        for ids, g in zip(groups, sd["param_groups"]):
+            hyper = {k: encode(v, k) for k, v in g.items() if k != "params"}
+            hyper["params"] = list(ids)
+            group_items.append(hyper)
+        return StateRecord(self.kind, {"state": state, "param_groups": group_items})
+
+    def _checked(self, record: Any, module: Any) -> dict[str, Any]:
+        item = expect_kind(record, self.kind, "optimizer")
+        if not isinstance(item, dict) or set(item) != {"state", "param_groups"}:
+            raise RecordMismatchError("optimizer record must be {state, param_groups}", key="optimizer")
+        groups, state = item["param_groups"], item["state"]
+        live_groups = self._ids(module)
+        if not isinstance(groups, list) or len(groups) != len(live_groups):
+            raise RecordMismatchError(
+                f"record has {len(groups) if isinstance(groups, list) else '?'} param groups, "
+                f"the live optimizer {len(live_groups)}", key="optimizer.param_groups")
+        for gi, (g, ids) in enumerate(zip(groups, live_groups)):
+            if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+                raise RecordMismatchError("malformed param group", key=f"optimizer.param_groups.{gi}")
+            if sorted(map(str, g["params"])) != sorted(ids):  # type: ignore[arg-type]
+                raise RecordMismatchError(
+                    f"param group {gi} holds {g['params']} in the record, {ids} live",
+                    key=f"optimizer.param_groups.{gi}")
+            live_keys = set(self.optimizer.param_groups[gi]) - {"params"}
+            if set(g) - {"params"} != live_keys:
+                raise RecordMismatchError(
+                    f"hyperparameters differ: record {sorted(set(g) - {'params'})}, live {sorted(live_keys)}",
+                    key=f"optimizer.param_groups.{gi}")
+        if not isinstance(state, dict):
+            raise RecordMismatchError("optimizer state must be a map", key="optimizer.state")
+        params = dict(_torch_module(module).named_parameters())
+        for pid, entry in state.items():
+            where = f"optimizer.state.{pid}"
+            if pid not in params:
+                raise RecordMismatchError("state for a parameter the model lacks", key=where)
+            if not isinstance(entry, dict):
+                raise RecordMismatchError("per-parameter state must be a map", key=where)
+            p = params[pid]
+            for name, v in entry.items():
+                # state tensors of the parameter's rank (exp_avg, momentum_buffer, ...) must
+                # have its shape; others (0-d `step`, factored moments) pass through
+                if isinstance(v, TensorData) and len(v.shape) == p.ndim > 0 and v.shape != tuple(p.shape):
+                    raise RecordMismatchError(
+                        f"{name}: shape {v.shape} in the record, parameter has {tuple(p.shape)}",
+                        key=where)
+        return item
+
+    def check_record(self, record: Any, module: Any) -> None:
+        self._checked(record, module)
+
+    def load_record(self, record: Any, module: Any, device: Any) -> None:
+        item = self._checked(record, module)
+        live_groups = self._ids(module)
+        index = {pid: i for i, pid in enumerate(pid for ids in live_groups for pid in ids)}
+        live_sd = self.optimizer.state_dict()
+        groups = []
+        for g, live_g in zip(item["param_groups"], live_sd["param_groups"]):
+            hyper = {k: decode(v, live_g.get(k)) for k, v in g.items() if k != "params"}
+            hyper["params"] = list(live_g["params"])
+            groups.append(hyper)
+        state = {index[pid]: decode(entry) for pid, entry in item["state"].items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- scheduler ----------------------------------------------------------------------------
+
+
+class TorchLrScheduler:
+    """A native torch LR scheduler as an `LrScheduler`. `step()` steps it and returns the
+    first group's new learning rate (ReduceLROnPlateau needs its metric: call its own
+    `step(metric)`)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        if not hasattr(scheduler, "state_dict") or not hasattr(scheduler, "load_state_dict"):
+            raise TypeError(f"{type(scheduler).__name__} is not a torch LR scheduler")
+        self.scheduler = scheduler
+
+    @property
+    def kind(self) -> str:
+        return _kind(self.scheduler)
+
+    def step(self) -> float:
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    def into_record(self) -> StateRecord:
+        return StateRecord(self.kind, encode(self.scheduler.state_dict()))
+
+    def _checked(self, record: Any) -> dict[str, Any]:
+        item = expect_kind(record, self.kind, "scheduler")
+        live = self.scheduler.state_dict()
+        if not isinstance(item, dict) or set(item) != set(live):
+            raise RecordMismatchError(
+                f"scheduler state keys differ: record {sorted(item) if isinstance(item, dict) else item}, "
+                f"live {sorted(live)}", key="scheduler")
+        return live  # type: ignore[no-any-return]
+
+    def check_record(self, record: Any) -> None:
+        self._checked(record)
+
+    def load_record(self, record: Any) -> None:
+        live = self._checked(record)
+        self.scheduler.load_state_dict(decode(record.item, live))
+
+
+def _torch_module(module: Any) -> nn.Module:
+    if isinstance(module, TorchModule):
+        return module.module
+    if isinstance(module, nn.Module):
+        return module
+    raise TypeError(f"the torch optimizer binding needs a torch model, got {type(module).__name__}")
+
+
+def _is_scheduler(obj: Any) -> bool:
+    sched = torch.optim.lr_scheduler
+    return isinstance(obj, (sched.LRScheduler, sched.ReduceLROnPlateau))
+
+
+class TorchAdapter:
+    """Finds the binding for torch objects: modules, optimizers, LR schedulers, and the
+    backend for tensors, tensor types and devices."""
+
+    name = "torch"
+
+    def adapt(self, obj: Any) -> Any:
+        if isinstance(obj, nn.Module):
+            return TorchModule(obj)
+        if isinstance(obj, torch.optim.Optimizer):
+            return TorchOptimizer(obj)
+        if _is_scheduler(obj):
+            return TorchLrScheduler(obj)
+        if isinstance(obj, (torch.Tensor, torch.device)):
+            return _BACKEND
+        if isinstance(obj, type) and issubclass(obj, torch.Tensor):
+            return _BACKEND
+        return None
+
+
+ADAPTER = TorchAdapter()
+
