@@ -23,8 +23,11 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
     (flush, fsync, rename, fsync of the directory). On any exception the temp file is
     removed, `path` is unchanged and the error propagates (OSError as `RecorderError`)."""
     directory = path.parent if str(path.parent) else Path(".")
+    _remove_orphans(directory, path.name)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=directory)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{path.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=directory
+        )
     except OSError as e:
         raise RecorderError(f"cannot create a file next to the target: {e}", source=str(path)) from e
     try:
@@ -54,3 +57,26 @@ def _fsync_dir(directory: Path) -> None:
         pass  # some filesystems refuse fsync on directories; the rename itself has landed
     finally:
         os.close(dfd)
+
+
+def _remove_orphans(directory: Path, name: str) -> None:
+    """Delete temp files of earlier saves to `name` whose writing process no longer
+    exists (killed mid-save). A file whose pid is alive, or unreadable, is left alone."""
+    prefix = f".{name}."
+    try:
+        entries = [e for e in os.listdir(directory) if e.startswith(prefix) and e.endswith(TEMP_SUFFIX)]
+    except OSError:
+        return
+    for entry in entries:
+        pid_text = entry[len(prefix) :].split(".", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # the writer is alive (or the pid was reused): not ours to delete
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(directory / entry)

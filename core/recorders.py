@@ -244,7 +244,7 @@ def _gunzip(f: Any, limit: int, source: str) -> np.ndarray[Any, Any]:
     total = 0
     try:
         while not d.eof:
-            chunk = d.unconsumed_tail or f.read(1 << 20)
+            chunk = d.unconsumed_tail or f.read(1 << 16)  # small reads: no 1 MiB buffer for a tiny file
             if not chunk:
                 raise CorruptRecordError("truncated gzip stream", source=source)
             out = d.decompress(chunk, min(1 << 24, limit - total + 1))

@@ -8,6 +8,7 @@ live objects before it mutates any of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -221,10 +222,7 @@ class TrainingRecord(Generic[U]):
         accumulator: GradientsAccumulator[Any] = GradientsAccumulator(backend=m.backend)
         accumulator.load_record(self.grads, device)
         state = self._state_on(device)
-        m.load_record(self.model, device)
-        o.load_record(self.optimizer, m, device)
-        if s is not None and self.scheduler is not None:
-            s.load_record(self.scheduler)
+        _write_all(m, o, s, self, device)
         return RestoredTraining(model, optimizer, scheduler, accumulator, state)
 
     def __repr__(self) -> str:
@@ -233,6 +231,47 @@ class TrainingRecord(Generic[U]):
             f"scheduler={None if self.scheduler is None else self.scheduler.kind}, "
             f"pending={len(self.grads.grads)})"
         )
+
+
+def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], device: Any) -> None:
+    """Load the three components; if any write fails, put back what they held before.
+
+    Everything was checked already, so a failure here is the environment's (a device
+    error, memory). The live objects are backed up to the host first (a capture) and
+    restored from that backup; only when the rollback fails too can they be left partly
+    written, and the error says so."""
+    def load_model(r: Any) -> None:
+        m.load_record(r, device)
+
+    def load_optimizer(r: Any) -> None:
+        o.load_record(r, m, device)
+
+    # (how to load a record into the component, its backup, the record to restore)
+    steps: list[tuple[Callable[[Any], None], Any, Any]] = [
+        (load_model, m.into_record(), record.model),
+        (load_optimizer, o.into_record(m), record.optimizer),
+    ]
+    if s is not None and record.scheduler is not None:
+        steps.append((s.load_record, s.into_record(), record.scheduler))
+    done = 0
+    try:
+        for load, _, new in steps:
+            done += 1  # a failing write may have changed its component: roll it back too
+            load(new)
+    except Exception as e:
+        try:
+            for load, backup, _ in reversed(steps[:done]):
+                load(backup)
+        except Exception as rollback_error:
+            raise RecorderError(
+                f"restore failed while writing ({e!r}) and so did the rollback "
+                f"({rollback_error!r}): the live model, optimizer and scheduler may be "
+                "partly restored"
+            ) from e
+        raise RecorderError(
+            f"restore failed while writing into the live objects ({e!r}); they were rolled "
+            "back to their previous state"
+        ) from e
 
 
 def _bind(model: Any, optimizer: Any, scheduler: Any) -> tuple[AutodiffModule, Any, Any]:
