@@ -26,6 +26,9 @@ class DType(enum.Enum):
     I16 = "i16"
     I8 = "i8"
     U8 = "u8"
+    U16 = "u16"
+    U32 = "u32"
+    U64 = "u64"
     BOOL = "bool"
 
     @property
@@ -89,7 +92,12 @@ _NUMPY: dict[DType, np.dtype[np.generic]] = {
     DType.I16: np.dtype("<i2"),
     DType.I8: np.dtype("i1"),
     DType.U8: np.dtype("u1"),
+    DType.U16: np.dtype("<u2"),
+    DType.U32: np.dtype("<u4"),
+    DType.U64: np.dtype("<u8"),
     DType.BOOL: np.dtype("?"),
 }
 _FLOATS = frozenset({DType.F64, DType.F32, DType.F16, DType.BF16})
-_INTS = frozenset({DType.I64, DType.I32, DType.I16, DType.I8, DType.U8})
+_INTS = frozenset(
+    {DType.I64, DType.I32, DType.I16, DType.I8, DType.U8, DType.U16, DType.U32, DType.U64}
+)

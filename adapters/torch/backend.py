@@ -25,6 +25,9 @@ _TO_TORCH = {
     DType.U8: torch.uint8,
     DType.BOOL: torch.bool,
 }
+for _dt, _name in ((DType.U16, "uint16"), (DType.U32, "uint32"), (DType.U64, "uint64")):
+    if hasattr(torch, _name):  # torch >= 2.3 has these, with limited operator support
+        _TO_TORCH[_dt] = getattr(torch, _name)
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 
 

@@ -1,0 +1,319 @@
+"""JAX bindings: `JaxBackend`, and holders for immutable JAX state.
+
+JAX values are immutable, so the protocol objects are small holders whose fields the
+training loop reassigns: `JaxModule(params)` (`.params`), `JaxOptimizer(tx, opt_state)`
+(`.opt_state`), `JaxLrScheduler(schedule, count)` (`.count`). Restoring assigns new
+pytrees of the same structure, dtypes and devices as the live ones.
+
+ParamIds are pytree key paths joined with `.` (dict keys, sequence indices, NamedTuple
+field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
+from trainrec.items import Item
+from trainrec.records import check_tensor_map, expect_kind
+
+__all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
+           "JaxAdapter", "ADAPTER", "key_path", "flatten"]
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def key_path(path: tuple[Any, ...]) -> str:
+    """A pytree key path as a ParamId: the keys joined with `.` (a flax nnx Variable's
+    trailing `.value` is left out: `l.kernel`, not `l.kernel.value`)."""
+    names = [_key_name(k) for k in path]
+    if len(names) > 1 and names[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
+        names.pop()
+    return ".".join(names)
+
+
+def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
+    """Leaves by ParamId, in pytree order, and the treedef to rebuild the tree."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out: dict[str, Any] = {}
+    for path, leaf in leaves:
+        name = key_path(path)
+        if name in out:
+            raise ValueError(f"two pytree leaves share the ParamId {name!r}")
+        out[name] = leaf
+    return out, treedef
+
+
+class JaxBackend:
+    """`AutodiffBackend` over JAX arrays. Devices: `jax.Device` or strings `"cpu"`,
+    `"cpu:N"`, `"gpu"`, `"gpu:N"` (also `"cuda:N"`). Arrays are immutable: `add` returns a
+    new array and `clone` may return its argument."""
+
+    name = "jax"
+
+    def device(self, spec: Any) -> jax.Device:
+        if spec is None:
+            return jax.devices()[0]
+        if isinstance(spec, jax.Device):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"{spec!r} is not a JAX device")
+        kind, _, index = spec.partition(":")
+        kind = {"cuda": "gpu"}.get(kind, kind)
+        try:
+            devices = jax.devices(kind)
+        except RuntimeError:
+            raise ValueError(f"{spec!r}: this machine has no {kind} devices for JAX") from None
+        i = int(index) if index.isdigit() else 0 if not index else -1
+        if not 0 <= i < len(devices):
+            raise ValueError(f"{spec!r}: JAX has {len(devices)} {kind} devices")
+        return devices[i]
+
+    def device_of(self, tensor: Any) -> jax.Device:
+        return next(iter(tensor.devices()))
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, jax.Array)
+
+    def dtype_of(self, tensor: Any) -> DType:
+        return DType.from_numpy(tensor.dtype)
+
+    def shape_of(self, tensor: Any) -> tuple[int, ...]:
+        return tuple(tensor.shape)
+
+    def to_host(self, tensor: Any) -> np.ndarray[Any, Any]:
+        return np.array(tensor, order="C", copy=True)
+
+    async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
+        if isinstance(tensor, jax.Array):
+            tensor.copy_to_host_async()
+            while not tensor.is_ready():
+                await asyncio.sleep(0.0005)
+        return self.to_host(tensor)
+
+    def from_host(self, array: np.ndarray[Any, Any], device: Any) -> jax.Array:
+        return jax.device_put(np.array(array, copy=True), self.device(device))
+
+    def cast(self, tensor: Any, dtype: DType) -> jax.Array:
+        if tensor.dtype == dtype.numpy:
+            return tensor  # type: ignore[no-any-return]
+        return tensor.astype(dtype.numpy)  # type: ignore[no-any-return]
+
+    def clone(self, tensor: Any) -> jax.Array:
+        return tensor  # type: ignore[no-any-return]  # immutable: sharing is safe
+
+    def add(self, pending: Any, grad: Any) -> jax.Array:
+        return pending + grad  # type: ignore[no-any-return]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JaxBackend)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+_BACKEND = JaxBackend()
+
+
+def _host(leaf: Any) -> Item:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return TensorData.from_array(np.asarray(_BACKEND.to_host(leaf)), copy=False)
+    if leaf is None or isinstance(leaf, (bool, int, float, str)):
+        return leaf
+    raise TypeError(f"pytree leaf of type {type(leaf).__name__} cannot be recorded")
+
+
+def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]]:
+    return {k: (tuple(np.shape(v)), DType.from_numpy(np.asarray(v).dtype if not isinstance(v, jax.Array) else v.dtype))
+            for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None}
+
+
+def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
+    """A new tree of the live structure whose leaves are the recorded values, each with
+    its live leaf's dtype and device (or `device`, when given and the leaf is on host)."""
+    new = []
+    for name, leaf in live.items():
+        value = recorded[name]
+        if isinstance(value, TensorData):
+            arr = np.asarray(value.array).astype(np.asarray(leaf).dtype if not isinstance(leaf, jax.Array) else leaf.dtype)
+            if isinstance(leaf, jax.Array):
+                new.append(jax.device_put(arr, leaf.sharding))
+            else:
+                new.append(np.array(arr))
+        else:
+            new.append(value)
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, Item]:
+    if not isinstance(item, dict):
+        raise RecordMismatchError("expected a map of leaves", key=component)
+    tensors = {k: v for k, v in item.items() if isinstance(v, TensorData)}
+    scalars = {k: v for k, v in item.items() if not isinstance(v, TensorData)}
+    expected = _expected(live)
+    check_tensor_map(tensors, expected, component, allow_subset=True)
+    missing = [k for k in live if k not in item]
+    wrong = [k for k in scalars if k not in live or k in expected]
+    if missing or wrong:
+        raise RecordMismatchError(
+            f"structure differs from the live pytree: missing {missing}, unexpected {wrong}",
+            key=component)
+    return dict(item)
+
+
+class JaxModule:
+    """A parameter pytree as an `AutodiffModule`: plain nested dicts, flax linen variables
+    (`{"params": ..., "batch_stats": ...}`: only `params` is trainable) or a flax nnx
+    `State`. `.params` is the live tree; restore assigns a new one."""
+
+    kind = "jax.pytree"
+
+    def __init__(self, params: Any) -> None:
+        self.params = params
+
+    @property
+    def backend(self) -> JaxBackend:
+        return _BACKEND
+
+    def _trainable_prefix(self) -> str:
+        p = self.params
+        if isinstance(p, dict) and "params" in p and len(p) > 1 or (isinstance(p, dict) and set(p) == {"params"}):
+            return "params"
+        return ""
+
+    def trainable(self) -> Any:
+        """The subtree that receives gradients (`params` of flax variables, else all)."""
+        return self.params["params"] if self._trainable_prefix() else self.params
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        leaves, _ = flatten(self.trainable())
+        prefix = self._trainable_prefix()
+        return {(f"{prefix}.{k}" if prefix else k): tuple(np.shape(v)) for k, v in leaves.items()}
+
+    def param_ids(self) -> list[str]:
+        return list(self.param_shapes())
+
+    def into_record(self) -> StateRecord:
+        leaves, _ = flatten(self.params)
+        return StateRecord(self.kind, {k: _host(v) for k, v in leaves.items()})
+
+    def check_record(self, record: Any) -> None:
+        leaves, _ = flatten(self.params)
+        _check_tree(expect_kind(record, self.kind, "model"), leaves, "model")
+
+    def load_record(self, record: Any, device: Any) -> None:
+        leaves, treedef = flatten(self.params)
+        recorded = _check_tree(expect_kind(record, self.kind, "model"), leaves, "model")
+        self.params = _rebuild(leaves, treedef, recorded, device)
+
+
+class JaxOptimizer:
+    """An optax `GradientTransformation` and its state as an `Optimizer`. The record is
+    the state pytree by key path (NamedTuple field names, chain indices), restored onto
+    the structure of the live `opt_state`."""
+
+    kind = "optax.GradientTransformation"
+
+    def __init__(self, tx: Any, opt_state: Any) -> None:
+        self.tx = tx
+        self.opt_state = opt_state
+
+    def into_record(self, module: Any) -> StateRecord:
+        leaves, _ = flatten(self.opt_state)
+        return StateRecord(self.kind, {k: _host(v) for k, v in leaves.items()})
+
+    def check_record(self, record: Any, module: Any) -> None:
+        leaves, _ = flatten(self.opt_state)
+        _check_tree(expect_kind(record, self.kind, "optimizer"), leaves, "optimizer")
+
+    def load_record(self, record: Any, module: Any, device: Any) -> None:
+        leaves, treedef = flatten(self.opt_state)
+        recorded = _check_tree(expect_kind(record, self.kind, "optimizer"), leaves, "optimizer")
+        self.opt_state = _rebuild(leaves, treedef, recorded, device)
+
+
+class JaxLrScheduler:
+    """An optax schedule (a function of the step count) with its position: `step()`
+    returns `schedule(count)` and advances. The function is code, not data: it comes
+    from the caller's program; the record holds the count."""
+
+    kind = "optax.schedule"
+
+    def __init__(self, schedule: Callable[[Any], Any], count: int = 0) -> None:
+        self.schedule = schedule
+        self.count = count
+
+    def step(self) -> float:
+        lr = float(self.schedule(self.count))
+        self.count += 1
+        return lr
+
+    def into_record(self) -> StateRecord:
+        return StateRecord(self.kind, {"count": int(self.count)})
+
+    def _checked(self, record: Any) -> int:
+        item = expect_kind(record, self.kind, "scheduler")
+        count = item.get("count") if isinstance(item, dict) else None
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise RecordMismatchError(f"count must be an int >= 0, got {count!r}", key="scheduler")
+        return count
+
+    def check_record(self, record: Any) -> None:
+        self._checked(record)
+
+    def load_record(self, record: Any) -> None:
+        self.count = self._checked(record)
+
+
+def grads_from(grad_tree: Any, module: JaxModule) -> GradientsParams:
+    """Gradients by ParamId from a gradient pytree shaped like the module's trainable
+    tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module."""
+    if not isinstance(module, JaxModule):
+        raise TypeError(f"module must be a JaxModule, got {type(module).__name__}")
+    leaves, treedef = flatten(grad_tree)
+    prefix = module._trainable_prefix()
+    if prefix and treedef == jax.tree_util.tree_structure(module.trainable()):
+        leaves = {f"{prefix}.{k}": v for k, v in leaves.items()}
+    return GradientsParams(leaves)
+
+
+def to_tree(grads: GradientsParams, module: JaxModule) -> Any:
+    """A pytree shaped like the module's trainable tree, holding `grads` (zeros for
+    parameters without a gradient), as optax's `update` expects."""
+    if not isinstance(module, JaxModule):
+        raise TypeError(f"module must be a JaxModule, got {type(module).__name__}")
+    leaves, treedef = flatten(module.trainable())
+    prefix = module._trainable_prefix()
+    out = []
+    for k, v in leaves.items():
+        g = grads.get(f"{prefix}.{k}" if prefix else k)
+        out.append(jnp.zeros_like(v) if g is None else g)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class JaxAdapter:
+    """Claims JAX arrays, the `jax.Array` type and JAX devices for `JaxBackend`; the
+    holders above implement the protocols themselves."""
+
+    name = "jax"
+
+    def adapt(self, obj: Any) -> Any:
+        if isinstance(obj, (jax.Array, jax.Device)):
+            return _BACKEND
+        if isinstance(obj, type) and issubclass(obj, jax.Array):
+            return _BACKEND
+        return None
+
+
+ADAPTER = JaxAdapter()

@@ -1,0 +1,259 @@
+"""`FlaxMsgpackFileRecorder`: records in flax's msgpack convention, without needing flax.
+
+flax writes an ndarray as msgpack ext type 1 holding `packb((shape, dtype.name,
+C-order bytes))`, and an array above 2**30 bytes as
+`{"__msgpack_chunked_array__": True, "shape": {"0": ...}, "chunks": {"0": ..., ...}}`.
+Our files are a map `{"format": "trainrec.flax", "version": [1, 0], "trainrec", "settings",
+"record", "item", "checksums": {key path: crc32}}`, so
+`flax.serialization.msgpack_restore` reads them; a plain flax msgpack file (no header)
+loads as an item. Loading is bounded by the file size and never imports anything.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+
+from trainrec import (
+    ChecksumError,
+    CorruptRecordError,
+    DType,
+    FileMissingError,
+    Header,
+    NativePrecisionSettings,
+    RecorderError,
+    TensorData,
+    UnsupportedVersionError,
+    __version__,
+)
+from trainrec._atomic import atomic_write
+from trainrec.items import Item, check_item, iter_tensors, join_key
+from trainrec.precision import convert_tensor, settings_by_name
+from trainrec.recorders import RecorderBase
+
+__all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
+
+FORMAT = "trainrec.flax"
+VERSION = (1, 0)
+MAX_CHUNK_SIZE = 2**30
+_CHUNKED = "__msgpack_chunked_array__"
+_NAMES = {d.numpy.name: d for d in DType}  # "float32", "bfloat16", "bool", ...
+
+
+def _ext(arr: np.ndarray[Any, Any]) -> msgpack.ExtType:
+    return msgpack.ExtType(1, msgpack.packb((list(arr.shape), arr.dtype.name, arr.tobytes("C")),
+                                            use_bin_type=True))
+
+
+def _tensor(t: TensorData) -> Any:
+    arr = t.array
+    if arr.nbytes <= MAX_CHUNK_SIZE:
+        return _ext(arr)
+    flat = arr.reshape(-1)
+    size = max(1, MAX_CHUNK_SIZE // arr.dtype.itemsize)
+    chunks = [_ext(flat[i : i + size]) for i in range(0, flat.size, size)]
+    return {_CHUNKED: True, "shape": {str(i): d for i, d in enumerate(arr.shape)},
+            "chunks": {str(i): c for i, c in enumerate(chunks)}}
+
+
+class FlaxMsgpackFileRecorder(RecorderBase):
+    """Records in a `.msgpack` file readable by `flax.serialization.msgpack_restore`
+    (args: a path; output: the `Path`)."""
+
+    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+        check_item(item)
+        path = _path(args)
+        checksums: dict[str, int] = {}
+        packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+        s = self.settings
+        header = {
+            "format": FORMAT, "version": list(VERSION), "trainrec": __version__,
+            "settings": {"name": s.name,
+                         "float": None if s.float_dtype is None else s.float_dtype.value,
+                         "int": None if s.int_dtype is None else s.int_dtype.value},
+            "record": record_type,
+        }
+
+        def write(f: Any, node: Item, key: str) -> None:
+            if isinstance(node, TensorData):
+                t = convert_tensor(node, s)
+                checksums[key] = zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
+                f.write(packer.pack(_tensor(t)))
+            elif isinstance(node, dict):
+                f.write(packer.pack_map_header(len(node)))
+                for k, v in node.items():
+                    f.write(packer.pack(k))
+                    write(f, v, join_key(key, k))
+            elif isinstance(node, list):
+                f.write(packer.pack_array_header(len(node)))
+                for i, v in enumerate(node):
+                    write(f, v, join_key(key, i))
+            else:
+                f.write(packer.pack(node))
+
+        with atomic_write(path) as f:
+            f.write(packer.pack_map_header(len(header) + 2))
+            for k, v in header.items():
+                f.write(packer.pack(k))
+                f.write(packer.pack(v))
+            f.write(packer.pack("item"))
+            write(f, item, "")
+            f.write(packer.pack("checksums"))
+            f.write(packer.pack(checksums))
+        return path
+
+    def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+        path = _path(args)
+        source = str(path)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as e:
+            raise FileMissingError("no such checkpoint", source=source) from e
+        except OSError as e:
+            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
+        return parse(data, source)
+
+
+def parse(data: bytes, source: str) -> tuple[Header, Item]:
+    """Header and item of a flax-convention msgpack payload (ours or plain flax)."""
+    n = len(data)
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == 1:
+            return _Array(payload)
+        if code == 3:
+            return _Array(payload, scalar=True)
+        raise CorruptRecordError(f"msgpack ext type {code} is not supported", source=source)
+
+    try:
+        doc = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=True,
+                              max_str_len=min(n, 16 << 20), max_bin_len=n,
+                              max_array_len=n, max_map_len=n, max_ext_len=n)
+    except RecorderError:
+        raise
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise CorruptRecordError(f"not a valid msgpack document: {type(e).__name__}: {e}",
+                                 source=source) from None
+    ours = isinstance(doc, dict) and doc.get("format") == FORMAT
+    if ours:
+        version = doc.get("version")
+        if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
+            raise CorruptRecordError("malformed version", source=source, key="version")
+        if version[0] != VERSION[0]:
+            raise UnsupportedVersionError(
+                f"format version {version[0]}.{version[1]} is not supported; this trainrec "
+                f"reads {VERSION[0]}.x", source=source, key="version")
+        settings, record, checksums = doc.get("settings"), doc.get("record"), doc.get("checksums")
+        if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, dict):
+            raise CorruptRecordError("header lacks settings, record or checksums", source=source)
+        try:
+            precision = settings_by_name(settings["name"], settings.get("float"), settings.get("int"))
+        except (KeyError, ValueError, TypeError) as e:
+            raise CorruptRecordError(f"malformed precision settings ({e})", source=source) from None
+        header = Header(FORMAT, (version[0], version[1]), str(doc.get("trainrec", "")), precision, record)
+        body = doc.get("item")
+    elif isinstance(doc, dict):  # a plain flax file: a state dict, no header, no checksums
+        header = Header("flax.msgpack", (0, 0), "", NativePrecisionSettings(), "Item")
+        body, checksums = doc, None
+    else:
+        raise CorruptRecordError("neither a trainrec record nor a flax state dict (a map)",
+                                 source=source)
+    item = _convert(body, "", source, 0)
+    if checksums is not None:
+        found = dict(iter_tensors(item))
+        if set(found) != set(checksums):
+            raise CorruptRecordError("the checksum table does not match the tensors", source=source,
+                                     key="checksums")
+        for key, t in found.items():
+            got = zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
+            if got != checksums[key]:
+                raise ChecksumError(f"tensor checksum mismatch (stored {checksums[key]!r}, "
+                                    f"computed {got:#010x})", source=source, key=f"item.{key}")
+    return header, item
+
+
+class _Array:
+    """An ext payload, decoded only after the whole document parsed."""
+
+    def __init__(self, payload: bytes, scalar: bool = False) -> None:
+        self.payload = payload
+        self.scalar = scalar
+
+    def decode(self, source: str, key: str) -> np.ndarray[Any, Any]:
+        def fail(msg: str) -> CorruptRecordError:
+            return CorruptRecordError(msg, source=source, key=key)
+
+        n = len(self.payload)
+        try:
+            tpl = msgpack.unpackb(self.payload, raw=False, max_str_len=64,
+                                  max_bin_len=n, max_array_len=min(n, 64), max_map_len=0, max_ext_len=0)
+        except Exception as e:
+            raise fail(f"malformed array payload: {e}") from None
+        if self.scalar:
+            if not (isinstance(tpl, list) and len(tpl) == 2):
+                raise fail("malformed numpy scalar")
+            shape, name, raw = [], tpl[0], tpl[1]
+        elif isinstance(tpl, list) and len(tpl) == 3:
+            shape, name, raw = tpl
+        else:
+            raise fail("malformed array payload")
+        if name not in _NAMES:
+            raise fail(f"unsupported dtype {name!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) \
+                or not isinstance(raw, bytes) or len(shape) > 32:
+            raise fail("malformed array shape or data")
+        dtype = _NAMES[name]
+        count = 1
+        for d in shape:
+            count *= d
+        if count * dtype.itemsize != len(raw):
+            raise fail(f"{name} array of shape {shape} needs {count * dtype.itemsize} bytes, has {len(raw)}")
+        np_dtype = ml_dtypes.bfloat16 if dtype is DType.BF16 else dtype.numpy
+        return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+
+
+def _convert(node: Any, key: str, source: str, depth: int) -> Item:
+    if depth > 64:
+        raise CorruptRecordError("nesting deeper than 64", source=source, key=key)
+    if isinstance(node, _Array):
+        return TensorData.from_array(node.decode(source, key), copy=False)
+    if isinstance(node, dict):
+        if node.get(_CHUNKED) is True:
+            return TensorData.from_array(_unchunk(node, source, key), copy=False)
+        if not all(isinstance(k, str) for k in node):
+            raise CorruptRecordError("map keys must be strings", source=source, key=key)
+        return {k: _convert(v, join_key(key, k), source, depth + 1) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_convert(v, join_key(key, i), source, depth + 1) for i, v in enumerate(node)]
+    if node is None or isinstance(node, (bool, int, float, str, bytes)):
+        return node
+    raise CorruptRecordError(f"{type(node).__name__} is not an item", source=source, key=key)
+
+
+def _unchunk(node: dict[str, Any], source: str, key: str) -> np.ndarray[Any, Any]:
+    shape_d, chunks_d = node.get("shape"), node.get("chunks")
+    if not isinstance(shape_d, dict) or not isinstance(chunks_d, dict):
+        raise CorruptRecordError("malformed chunked array", source=source, key=key)
+    try:
+        shape = [shape_d[str(i)] for i in range(len(shape_d))]
+        chunks = [chunks_d[str(i)] for i in range(len(chunks_d))]
+    except KeyError:
+        raise CorruptRecordError("malformed chunked array", source=source, key=key) from None
+    if not all(isinstance(c, _Array) for c in chunks) or not chunks:
+        raise CorruptRecordError("malformed chunked array", source=source, key=key)
+    flat = np.concatenate([c.decode(source, key).reshape(-1) for c in chunks])
+    try:
+        return flat.reshape(shape)
+    except (ValueError, TypeError):
+        raise CorruptRecordError("chunked array does not fit its shape", source=source, key=key) from None
+
+
+def _path(args: Any) -> Path:
+    if not isinstance(args, (str, Path)) and not hasattr(args, "__fspath__"):
+        raise TypeError(f"file recorders take a path, got {type(args).__name__}")
+    return Path(args)

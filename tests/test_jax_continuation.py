@@ -1,0 +1,52 @@
+"""Exact continuation with the JAX adapter, restored in a fresh process: every
+micro-step position of an accumulation window, the core NamedMpk recorder and
+`FlaxMsgpackFileRecorder`, optax schedules inside the optimizer and through
+`JaxLrScheduler` + `inject_hyperparams` (see `trainrec/adapters/jax/demo.py`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("flax")
+
+from continuation import WINDOW, continuation_results  # noqa: E402
+
+from trainrec.demo import compare_items  # noqa: E402
+
+CASES = [
+    *[("default", pos, rec) for pos in range(WINDOW) for rec in ("mpk", "flax")],
+    *[("injected", pos, rec) for pos, rec in ((1, "flax"), (3, "mpk"))],
+]
+NO_PENDING = [("default", 2)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"))
+
+
+@pytest.mark.parametrize(("variant", "position", "recorder"), CASES)
+def test_jax_resume_in_a_fresh_process_is_bitwise_identical(results, variant, position, recorder):
+    reference, resumed = results[(variant, position, recorder)]
+    exact, diff, paths = compare_items(reference, resumed)
+    assert exact, f"differs at {paths[:5]} (max {diff})"
+
+
+@pytest.mark.parametrize(("variant", "position"), NO_PENDING)
+def test_jax_resume_without_pending_gradients_differs(results, variant, position):
+    reference, resumed = results[(variant, position, "drop")]
+    exact, diff, _ = compare_items(reference, resumed)
+    assert not exact and diff > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("not any(d.platform == 'gpu' for d in __import__('jax').devices())",
+                    reason="needs a GPU visible to JAX")
+def test_jax_resume_on_gpu_is_bitwise_identical(tmp_path):
+    env = {**os.environ, "TRAINREC_DEMO_DEVICE": "gpu:0"}
+    for key, (reference, resumed) in continuation_results("jax", CASES, NO_PENDING, tmp_path, env).items():
+        exact, diff, paths = compare_items(reference, resumed)
+        assert exact == (key[2] != "drop"), f"{key}: {paths[:5]} (max {diff})"
