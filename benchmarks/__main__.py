@@ -1,53 +1,45 @@
-"""Checkpoint speed against the raw limit and peers, in one process on one state.
+"""trainrec against its peers, in one run, on one training state.
 
-    python -m benchmarks --size 1GiB [--repeats 3] [--json out.json]
+    python -m benchmarks --size 1GiB [--repeats 3] [--json results.json] [--png results.png]
 
-Rows: save and full load with trainrec's NamedMpk recorders, raw `file.write` /
-`readinto` of the same bytes (the limit), and `torch.save` / `torch.load(weights_only=True)`
-when torch is installed; lazy load (open a file with `mmap=True` and read one small tensor).
-Every row prints the median seconds, GB/s and the ratio to the raw limit.
+Rows (each peer on the same state of ~100 f32 torch tensors: parameters, AdamW moments,
+pending gradients):
+- save to a file and load back, fully materialized as torch tensors: trainrec
+  DefaultRecorder / TorchFileRecorder / NamedMpkGzFileRecorder, torch.save /
+  torch.load(weights_only=True), safetensors, flax msgpack, orbax, and raw
+  write+fsync / readinto of the same bytes (the limit);
+- lazy load: open the file and read its smallest tensor;
+- peak resident memory above the state during save and load (own subprocess each);
+- `GradientsAccumulator.accumulate` vs a hand-written `torch._foreach_add_`;
+  `TrainingRecord.capture` vs `copy.deepcopy` of the state dicts;
+- on CUDA: the time `capture_async` blocks the training thread vs `capture`.
+Every row prints the median seconds, GB/s, and ratios to the raw limit and the best peer;
+the targets of the benchmark issue are checked at the end. Nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import copy
 import json
 import os
+import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from benchmarks.peers import PEERS, lazy_rows
+from benchmarks.state import parse_size, sizes, training_state
 
-import trainrec
-from trainrec import NamedMpkFileRecorder, NativePrecisionSettings, TensorData
-
-
-def parse_size(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    t = text.strip().lower()
-    for suffix, mult in units.items():
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mult)
-    return int(t)
-
-
-def training_state(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """~100 f32 tensors of mixed sizes: parameters, AdamW moments and pending gradients."""
-    rng = np.random.default_rng(seed)
-    n_params = 25
-    weights = rng.pareto(1.0, n_params) + 0.05
-    per_param = total_bytes // 4 // 4  # params, exp_avg, exp_avg_sq, grads
-    sizes = np.maximum(1, (weights / weights.sum() * per_param).astype(np.int64))
-    state: dict[str, np.ndarray] = {}
-    for i, n in enumerate(sizes):
-        for part in ("param", "exp_avg", "exp_avg_sq", "grad"):
-            state[f"layers.{i}.{part}"] = rng.standard_normal(int(n), dtype=np.float32)
-    return state
+SLOW = {"trainrec NamedMpkGzFileRecorder"}  # single repeat: gzip of random floats is slow
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> float:
@@ -59,79 +51,277 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _drop(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def save_load_rows(state: dict[str, Any], nbytes: int, tmp: Path, repeats: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for i, (name, make) in enumerate(PEERS.items()):
+        rows += _peer_rows(name, make, state, tmp / f"bench-{i}", 1 if name in SLOW else repeats)
+    for r in rows:
+        if "seconds" in r:
+            r["gbps"] = nbytes / r["seconds"] / 1e9
+    return rows
+
+
+def _peer_rows(name: str, make: Callable[[], Any], state: dict[str, Any], path: Path,
+               repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    try:
+        save, load = make()
+    except ImportError as e:
+        return [{"name": name, "op": "save", "skipped": f"not installed ({e.name})"}]
+    loaded: dict[str, Any] = {}
+
+    def load_all() -> None:
+        loaded.clear()
+        loaded.update(load(path))
+        for t in loaded.values():  # materialize: a lazily mapped load must read every page
+            flat = t.reshape(-1).view(torch.uint8)
+            int(flat[:: 4096].sum()) if flat.numel() else None
+
+    try:
+        t_save = timed(lambda: save(state, path), repeats)
+        t_load = timed(load_all, repeats)
+        files = [path] if path.is_file() else list(path.rglob("*"))
+        size = sum(p.stat().st_size for p in files if p.is_file())
+        assert all(torch.equal(loaded[k], v) for k, v in state.items()), f"{name} lost data"
+    except Exception as e:  # a peer that breaks is reported, not fatal
+        return [{"name": name, "op": "save", "skipped": f"{type(e).__name__}: {e}"}]
+    finally:
+        _drop(path)
+    return [{"name": name, "op": "save", "seconds": t_save, "file_bytes": size},
+            {"name": name, "op": "load", "seconds": t_load, "file_bytes": size}]
+
+
+def memory_rows(size: int, tmp: Path) -> list[dict[str, Any]]:
+    rows = []
+    for name in PEERS:
+        if name in SLOW:
+            continue
+        for op in ("save", "load"):
+            out = subprocess.run([sys.executable, "-m", "benchmarks.memory", name, op, str(size), str(tmp)],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                rows.append({"name": name, "op": f"peak extra memory, {op}",
+                             "skipped": out.stderr.strip().splitlines()[-1] if out.stderr else "failed"})
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({"name": name, "op": f"peak extra memory, {op}", "bytes": r["extra_bytes"],
+                         "largest_tensor": r["largest_tensor"]})
+        for p in tmp.glob("mem-*"):
+            _drop(p)
+    return rows
+
+
+def compute_rows(size: int, repeats: int) -> list[dict[str, Any]]:
+    """accumulate vs _foreach_add_, capture vs deepcopy, and (CUDA) capture_async."""
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    for dev in ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []):
+        rows += _device_rows(dev, size, repeats)
+    return rows
+
+
+def _device_rows(dev: str, size: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    import trainrec
+
+    @trainrec.record
+    class State:
+        micro: int
+
+    model = torch.nn.Module()
+    for i, n in enumerate(sizes(size)):
+        model.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(n, device=dev)))
+    grads = {name: torch.randn_like(p) for name, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters())
+    for name, p in model.named_parameters():
+        p.grad = grads[name].clone()
+    opt.step()
+    acc: trainrec.GradientsAccumulator[Any] = trainrec.GradientsAccumulator()
+    acc.accumulate(model, trainrec.GradientsParams(grads))
+    pending = [g.clone() for g in grads.values()]
+    incoming = list(grads.values())
+
+    def sync() -> None:
+        if dev != "cpu":
+            torch.cuda.synchronize()
+
+    def ours() -> None:
+        acc.accumulate(model, trainrec.GradientsParams(grads))
+        sync()
+
+    def foreach() -> None:
+        torch._foreach_add_(pending, incoming)
+        sync()
+
+    def capture() -> Any:
+        return trainrec.TrainingRecord.capture(model, opt, None, acc, State(1))
+
+    def deepcopy_dicts() -> Any:
+        return copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                              "grads": list(grads.values())})
+
+    async def blocked() -> float:
+        t0 = time.perf_counter()
+        task = asyncio.ensure_future(trainrec.TrainingRecord.capture_async(model, opt, None, acc, State(1)))
+        await asyncio.sleep(0)  # the training loop gets control back here
+        t_blocked = time.perf_counter() - t0
+        await task
+        return t_blocked
+
+    gbytes = sum(g.numel() * 4 for g in incoming)
+    t_acc, t_for = timed(ours, repeats), timed(foreach, repeats)
+    t_cap, t_dc = timed(capture, repeats), timed(deepcopy_dicts, repeats)
+    rows = [
+        {"name": f"trainrec accumulate ({dev})", "op": "accumulate", "seconds": t_acc,
+         "gbps": gbytes / t_acc / 1e9, "vs_peer": t_for / t_acc},
+        {"name": f"torch._foreach_add_ ({dev})", "op": "accumulate", "seconds": t_for,
+         "gbps": gbytes / t_for / 1e9},
+        {"name": f"TrainingRecord.capture ({dev})", "op": "capture", "seconds": t_cap,
+         "gbps": 4 * gbytes / t_cap / 1e9, "vs_peer": t_dc / t_cap},
+        {"name": f"copy.deepcopy of state dicts ({dev})", "op": "capture", "seconds": t_dc,
+         "gbps": 4 * gbytes / t_dc / 1e9},
+    ]
+    if dev != "cpu":
+        rows.append({"name": "capture_async: training thread blocked (cuda)", "op": "capture",
+                     "seconds": statistics.median(asyncio.run(blocked()) for _ in range(repeats))})
+    return rows
+
+
+def lazy(state: dict[str, Any], tmp: Path, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, fn in lazy_rows(state, tmp).items():
+        rows.append({"name": name, "op": "lazy one tensor", "seconds": timed(fn, repeats)})
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]]) -> None:
+    for op in ("save", "load"):
+        live = [r for r in rows if r["op"] == op and "seconds" in r]
+        raw = next((r["seconds"] for r in live if r["name"].startswith("raw")), None)
+        peers = [r["seconds"] for r in live if not r["name"].startswith(("raw", "trainrec"))]
+        best = min(peers) if peers else None
+        for r in live:
+            r["vs_raw"] = raw / r["seconds"] if raw else None
+            if r["name"].startswith("trainrec") and best:
+                r["vs_best_peer"] = best / r["seconds"]
+
+
+def targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
+    def row(name: str, op: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["name"] == name and r["op"] == op and "skipped" not in r), None)
+
+    out: list[tuple[str, bool | None, str]] = []
+    ours_s, ours_l = row("trainrec DefaultRecorder", "save"), row("trainrec DefaultRecorder", "load")
+    ts, tl = row("torch.save/load(weights_only)", "save"), row("torch.save/load(weights_only)", "load")
+    if ours_s and ts:
+        out.append(("save >= 0.8x raw write", ours_s["vs_raw"] >= 0.8, f"{ours_s['vs_raw']:.2f}x"))
+        sp = ts["seconds"] / ours_s["seconds"]
+        out.append(("save >= 1.5x torch.save", sp >= 1.5, f"{sp:.2f}x"))
+    if ours_l and tl:
+        out.append(("load >= 0.7x raw readinto", ours_l["vs_raw"] >= 0.7, f"{ours_l['vs_raw']:.2f}x"))
+        sp = tl["seconds"] / ours_l["seconds"]
+        out.append(("load >= 1.2x torch.load(weights_only)", sp >= 1.2, f"{sp:.2f}x"))
+    lz = row("trainrec mmap=True", "lazy one tensor")
+    if lz:
+        out.append(("lazy load of one tensor < 50 ms", lz["seconds"] < 0.05, f"{lz['seconds'] * 1e3:.1f} ms"))
+    mem = row("trainrec DefaultRecorder", "peak extra memory, save")
+    if mem:
+        bound = mem["largest_tensor"] + (64 << 20)
+        out.append(("save peak extra memory <= largest tensor + 64 MiB", mem["bytes"] <= bound,
+                    f"{mem['bytes'] / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)"))
+    acc = row("trainrec accumulate (cpu)", "accumulate")
+    if acc:
+        out.append(("accumulate <= 1.2x _foreach_add_", 1 / acc["vs_peer"] <= 1.2, f"{1 / acc['vs_peer']:.2f}x"))
+    cap = row("TrainingRecord.capture (cpu)", "capture")
+    if cap:
+        out.append(("capture <= 1.2x deepcopy", 1 / cap["vs_peer"] <= 1.2, f"{1 / cap['vs_peer']:.2f}x"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks")
-    p.add_argument("--size", default="256MiB")
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1GiB", help="training state size (default 1GiB)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write files (default: a temp dir)")
-    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--json", default="bench-results/results.json")
+    p.add_argument("--png", default="bench-results/results.png")
+    p.add_argument("--skip-memory", action="store_true")
     a = p.parse_args(argv)
+    warnings.simplefilter("ignore")
     size = parse_size(a.size)
     state = training_state(size)
-    nbytes = sum(v.nbytes for v in state.values())
-    item = {k: TensorData.from_array(v, copy=False) for k, v in state.items()}
-    rows: list[dict[str, Any]] = []
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+               "processor": platform.processor() or platform.machine()}
+    try:
+        import torch
+
+        machine["torch"] = torch.__version__
+    except ImportError:
+        pass
+    print(f"state: {len(state)} tensors, {nbytes / 2**20:.0f} MiB; {machine}", flush=True)
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         tmp = Path(d)
-
-        def add(name: str, op: str, seconds: float) -> None:
-            rows.append({"name": name, "op": op, "seconds": seconds, "gbps": nbytes / seconds / 1e9})
-
-        raw_path = tmp / "raw.bin"
-
-        def raw_write() -> None:
-            with open(raw_path, "wb") as f:
-                for v in state.values():
-                    f.write(v.data)
-                f.flush()
-                os.fsync(f.fileno())
-
-        def raw_read() -> None:
-            buf = np.empty(nbytes, np.uint8)
-            with open(raw_path, "rb") as f:
-                f.readinto(buf.data)
-
-        add("raw write+fsync", "save", timed(raw_write, a.repeats))
-        add("raw readinto", "load", timed(raw_read, a.repeats))
-
-        rec = NamedMpkFileRecorder(NativePrecisionSettings())
-        mpk = tmp / "state.mpk"
-        add("trainrec NamedMpk", "save", timed(lambda: rec.save_item(item, mpk), a.repeats))
-        add("trainrec NamedMpk", "load", timed(lambda: rec.load_item(mpk), a.repeats))
-
-        def lazy_one() -> None:
-            loaded = rec.load_item(mpk, mmap=True)
-            assert isinstance(loaded, dict)
-            small = min(loaded, key=lambda k: loaded[k].nbytes)  # type: ignore[union-attr]
-            _ = loaded[small].array  # type: ignore[union-attr]
-
-        lazy = timed(lazy_one, a.repeats)
-        rows.append({"name": "trainrec mmap open + one small tensor", "op": "lazy", "seconds": lazy,
-                     "gbps": None})
-
-        try:
-            import torch
-        except ImportError:
-            torch = None  # type: ignore[assignment]
-        if torch is not None:
-            tstate = {k: torch.from_numpy(v) for k, v in state.items()}
-            pt = tmp / "state.pt"
-            add("torch.save", "save", timed(lambda: torch.save(tstate, pt), a.repeats))
-            add("torch.load(weights_only)", "load",
-                timed(lambda: torch.load(pt, weights_only=True), a.repeats))
-
-    raw = {r["op"]: r["seconds"] for r in rows if r["name"].startswith("raw")}
-    print(f"state: {len(state)} tensors, {nbytes / 2**20:.0f} MiB, trainrec {trainrec.__version__}, "
-          f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-    print(f"{'row':44} {'op':5} {'seconds':>9} {'GB/s':>7} {'vs raw':>7}")
+        rows = save_load_rows(state, nbytes, tmp, a.repeats)
+        rows += lazy(state, tmp, a.repeats)
+        del state
+        rows += compute_rows(size, a.repeats)
+        if not a.skip_memory:
+            rows += memory_rows(size, tmp)
+    ratios(rows)
+    print(f"\n{'row':44} {'op':28} {'seconds':>9} {'GB/s':>6} {'vs raw':>7} {'vs best peer':>12}")
     for r in rows:
-        ratio = raw[r["op"]] / r["seconds"] if r["op"] in raw else None
-        r["vs_raw"] = ratio
-        gbps = f"{r['gbps']:7.2f}" if r["gbps"] else "      -"
-        print(f"{r['name']:44} {r['op']:5} {r['seconds']:9.4f} {gbps} "
-              f"{'' if ratio is None else f'{ratio:6.2f}x':>7}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"bytes": nbytes, "rows": rows}, indent=2))
+        if "skipped" in r:
+            print(f"{r['name']:44} {r['op']:28} skipped: {r['skipped']}")
+        elif "bytes" in r:
+            print(f"{r['name']:44} {r['op']:28} {r['bytes'] / 2**20:8.0f} MiB (largest tensor "
+                  f"{r['largest_tensor'] / 2**20:.0f} MiB)")
+        else:
+            gb = f"{r['gbps']:6.2f}" if r.get("gbps") else "     -"
+            vr = f"{r['vs_raw']:6.2f}x" if r.get("vs_raw") else ""
+            vp = f"{r['vs_best_peer']:6.2f}x" if r.get("vs_best_peer") else (
+                f"{r['vs_peer']:6.2f}x" if r.get("vs_peer") else "")
+            print(f"{r['name']:44} {r['op']:28} {r['seconds']:9.4f} {gb} {vr:>7} {vp:>12}")
+    checks = targets(rows)
+    print("\ntargets:")
+    for text, ok, value in checks:
+        print(f"  [{'met' if ok else 'MISSED'}] {text}: {value}")
+    out = Path(a.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bytes": nbytes, "machine": machine, "rows": rows,
+                               "targets": [{"target": t, "met": ok, "value": v} for t, ok, v in checks]},
+                              indent=2))
+    print(f"\nwrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+        for ax, op in zip(axes, ("save", "load")):
+            live = [r for r in rows if r["op"] == op and "gbps" in r]
+            ax.barh([r["name"] for r in live], [r["gbps"] for r in live],
+                    color=["tab:orange" if r["name"].startswith("trainrec") else "tab:gray" for r in live])
+            ax.set_title(f"{op}, GB/s ({nbytes / 2**30:.1f} GiB state, log scale)")
+            ax.set_xscale("log")
+            ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=100)
+        print(f"wrote {a.png}")
+    except ImportError:
+        pass
     return 0
 
 

@@ -18,10 +18,10 @@ TEMP_SUFFIX = ".trainrec-tmp"
 
 
 @contextlib.contextmanager
-def atomic_write(path: Path) -> Iterator[BinaryIO]:
-    """Yield a file to write; on success it replaces `path` atomically and durably
-    (flush, fsync, rename, fsync of the directory). On any exception the temp file is
-    removed, `path` is unchanged and the error propagates (OSError as `RecorderError`)."""
+def atomic_write(path: Path, *, durable: bool = True) -> Iterator[BinaryIO]:
+    """Yield a file to write; on success it replaces `path` atomically and (`durable`)
+    durably: flush, fsync, rename, fsync of the directory. On any exception the temp file
+    is removed, `path` is unchanged and the error propagates (OSError as `RecorderError`)."""
     directory = path.parent if str(path.parent) else Path(".")
     _remove_orphans(directory, path.name)
     try:
@@ -34,7 +34,8 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             yield f
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException as e:
@@ -43,7 +44,8 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
         if isinstance(e, OSError):
             raise RecorderError(f"cannot write checkpoint: {e}", source=str(path)) from e
         raise
-    _fsync_dir(directory)
+    if durable:
+        _fsync_dir(directory)
 
 
 def _fsync_dir(directory: Path) -> None:

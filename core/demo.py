@@ -90,7 +90,14 @@ RECORDERS: dict[str, Recorder] = {
 
 
 def load_workload(backend: str, variant: str = "default") -> Workload:
-    """The adapter's workload: `WORKLOADS[variant]` of `trainrec.adapters.<backend>.demo`."""
+    """The adapter's workload: `WORKLOADS[variant]` of `trainrec.adapters.<backend>.demo`,
+    or, for `backend` of the form `"module:attr"`, that object (a class is instantiated):
+    a conformance `Harness` of any adapter."""
+    if ":" in backend:
+        module_name, _, attr = backend.partition(":")
+        found = getattr(importlib.import_module(module_name), attr)
+        workload: Workload = found() if isinstance(found, type) else found
+        return workload
     module = importlib.import_module(f"trainrec.adapters.{backend}.demo")
     workloads: dict[str, Workload] = getattr(module, "WORKLOADS", {"default": module.WORKLOAD})
     if variant not in workloads:

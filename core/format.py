@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,16 +122,36 @@ class _Writer:
         self.value("pad")
         self.raw(b"\xc4" + bytes([pad_len]) + bytes(pad_len))
         self.raw(tail)
-        crc = 0
-        for i, (a, b) in enumerate(chunks):
+        views = [flat[a:b].data for a, b in chunks]
+        # the checksum runs on a worker thread while this one writes (both release the GIL)
+        pending = _crc_pool().submit(_crc_all, views) if n >= _PARALLEL_CRC_BYTES else None
+        for i, view in enumerate(views):
             if i:
-                self.raw(_bin32_header(b - a))
-            view = flat[a:b].data
+                self.raw(_bin32_header(view.nbytes))
             self._out.write(view)
-            self.pos += b - a
-            crc = zlib.crc32(view, crc)
+            self.pos += view.nbytes
+        crc = pending.result() if pending is not None else _crc_all(views)
         self.value("crc")
         self.value(crc)
+
+
+_PARALLEL_CRC_BYTES = 1 << 20
+_CRC_PIECE = 8 << 20
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _crc_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainrec-crc")
+    return _POOL
+
+
+def _crc_all(views: list[memoryview]) -> int:
+    crc = 0
+    for v in views:
+        crc = zlib.crc32(v, crc)
+    return crc
 
 
 def _bin32_header(n: int) -> bytes:
@@ -184,8 +205,15 @@ class _Span:
         self.length = length
 
 
+Waiter = Callable[[int], int]
+"""`wait(n)` blocks until the first `n` bytes of the buffer are filled (or the source ends)
+and returns how many are."""
+
+
 class _Parser:
-    def __init__(self, buf: Any, source: str, limits: Limits) -> None:
+    def __init__(
+        self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False
+    ) -> None:
         self.buf = buf
         self.mv = memoryview(buf).cast("B")
         self.end = len(self.mv)
@@ -193,17 +221,28 @@ class _Parser:
         self.source = source
         self.limits = limits
         self.spans: list[_Span] = []
+        self.wait = wait
+        self.avail = 0 if wait is not None else self.end
+        self.eager = eager
 
     def fail(self, message: str, key: str) -> CorruptRecordError:
         return CorruptRecordError(message, source=self.source, key=key)
 
-    def take(self, n: int, key: str) -> int:
+    def need(self, upto: int, key: str) -> None:
+        if upto > self.avail and self.wait is not None:
+            self.avail = self.wait(upto)
+        if upto > self.avail:
+            raise self.fail(f"the source ended after {self.avail} of {self.end} bytes", key)
+
+    def take(self, n: int, key: str, wait: bool = True) -> int:
         start = self.pos
         if n > self.end - start:
             raise self.fail(
                 f"truncated: {n} bytes declared at offset {start}, only {self.end - start} remain",
                 key,
             )
+        if wait:
+            self.need(start + n, key)
         self.pos = start + n
         return start
 
@@ -251,7 +290,8 @@ class _Parser:
             return True
         if b in (0xC4, 0xC5, 0xC6):
             n = self.uint(1 << (b - 0xC4), key)
-            span = _Span(self.take(n, key), n)
+            # a payload's bytes are waited for piece by piece while it is checksummed
+            span = _Span(self.take(n, key, wait=not spans), n)
             return span if spans else self.to_bytes(span)
         if b == 0xCA:
             return float(struct.unpack_from(">f", self.mv, self.take(4, key))[0])
@@ -329,10 +369,34 @@ class _Parser:
                 key,
             )
         self.spans.extend(spans)
-        return TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key))
+        verified = False
+        if self.eager or self.wait is not None:
+            self.check_crc(spans, crc, key)  # now, piece by piece, while later bytes arrive
+            verified = True
+        t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified))
+        if self.eager:
+            t.array  # noqa: B018 - materialize the (verified) view
+        return t
+
+    def check_crc(self, spans: list[_Span], crc: int, key: str) -> None:
+        got = 0
+        for s in spans:
+            at, end = s.offset, s.offset + s.length
+            while at < end:
+                upto = min(end, at + _CRC_PIECE)
+                self.need(upto, key)
+                got = zlib.crc32(self.mv[at:upto], got)
+                at = upto
+        if got != crc:
+            raise ChecksumError(
+                f"tensor checksum mismatch (stored {crc:#010x}, computed {got:#010x})",
+                source=self.source,
+                key=key,
+            )
 
     def loader(
-        self, dtype: DType, shape: tuple[int, ...], spans: list[_Span], crc: int, key: str
+        self, dtype: DType, shape: tuple[int, ...], spans: list[_Span], crc: int, key: str,
+        verified: bool,
     ) -> Callable[[], np.ndarray[Any, Any]]:
         buf, mv, source = self.buf, self.mv, self.source
         count = 1
@@ -340,9 +404,11 @@ class _Parser:
             count *= d
 
         def load() -> np.ndarray[Any, Any]:
-            got = 0
-            for s in spans:
-                got = zlib.crc32(mv[s.offset : s.offset + s.length], got)
+            got = crc
+            if not verified:
+                got = 0
+                for s in spans:
+                    got = zlib.crc32(mv[s.offset : s.offset + s.length], got)
             if got != crc:
                 raise ChecksumError(
                     f"tensor checksum mismatch (stored {crc:#010x}, computed {got:#010x})",
@@ -371,15 +437,18 @@ class _Parser:
 
 
 def read_document(
-    buf: Any, source: str, *, lazy: bool = False, limits: Limits | None = None
+    buf: Any, source: str, *, lazy: bool = False, limits: Limits | None = None,
+    wait: Waiter | None = None,
 ) -> tuple[Header, Item]:
     """Parse a NamedMpk document held in `buf` (bytes, bytearray, numpy buffer or mmap).
 
     Checks the magic, version and header checksum before reading the item, then the
     structure checksum; with `lazy=False` also every tensor checksum. Tensors view `buf`.
+    With `wait`, `buf` is still being filled by another thread: the parser waits for the
+    bytes it needs and checksums each tensor while later ones are read.
     Raises `CorruptRecordError` (or `ChecksumError`) and `UnsupportedVersionError`.
     """
-    p = _Parser(buf, source, limits or Limits())
+    p = _Parser(buf, source, limits or Limits(), wait=wait, eager=not lazy)
     header = _read_header(p)
     k = p.value("", 1)
     if k != "item":
@@ -416,9 +485,10 @@ def _touch(item: Item) -> None:
 
 
 def _read_header(p: _Parser) -> Header:
-    first = p.mv[0] if p.end else None
-    if first is None:
+    if not p.end:
         raise p.fail("empty payload", "")
+    p.need(1, "")
+    first = p.mv[0]
     if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
         raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
     b = p.mv[p.take(1, "")]

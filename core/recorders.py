@@ -10,6 +10,7 @@ import gzip
 import io
 import mmap as _mmap
 import os
+import threading
 import zlib
 from pathlib import Path
 from typing import Any
@@ -92,18 +93,25 @@ class NamedMpkFileRecorder(RecorderBase):
     """NamedMpk in a plain file (`.mpk` by convention). Args: a path; output: the `Path`.
 
     `load(..., mmap=True)` maps the file and hands out zero-copy read-only tensors whose
-    checksums are verified when each is first read.
+    checksums are verified when each is first read (`verify=True`: all at once, now).
+    Mapped tensors stay valid when the file is replaced by a later save (a rename), not if
+    another program truncates it in place. `durable=False` skips the fsyncs of a save (the
+    rename stays atomic; a power loss may then lose the newest checkpoint).
     """
+
+    def __init__(self, settings: PrecisionSettings | None = None, *, durable: bool = True) -> None:
+        super().__init__(settings)
+        self._durable = durable
 
     def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
         from ._atomic import atomic_write
 
         path = _path(args)
-        with atomic_write(path) as f:
+        with atomic_write(path, durable=self._durable) as f:
             write_document(f, item, self._settings, record_type)
         return path
 
-    def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+    def read(self, args: Any, *, mmap: bool = False, verify: bool = False) -> tuple[Header, Item]:
         path = _path(args)
         source = str(path)
         try:
@@ -113,16 +121,22 @@ class NamedMpkFileRecorder(RecorderBase):
                     raise CorruptRecordError("empty file", source=source)
                 if mmap:
                     buf: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
-                else:
-                    buf = _aligned_buffer(size)
+                    return read_document(buf, source, lazy=not verify)
+                buf = _aligned_buffer(size)
+                if size < _BACKGROUND_READ_BYTES:
                     _read_exactly(f, buf, source)
+                    return read_document(buf, source)
+                reader = _BackgroundRead(f, buf, source)
+                try:
+                    return read_document(buf, source, wait=reader.wait)
+                finally:
+                    reader.close()
         except FileNotFoundError as e:
             raise FileMissingError("no such checkpoint", source=source) from e
         except IsADirectoryError as e:
             raise FileMissingError("checkpoint path is a directory", source=source) from e
         except OSError as e:
             raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
-        return read_document(buf, source, lazy=mmap)
 
 
 class NamedMpkGzFileRecorder(RecorderBase):
@@ -226,6 +240,54 @@ def _aligned_buffer(size: int) -> np.ndarray[Any, Any]:
     raw = np.empty(size + ALIGNMENT, np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start : start + size]
+
+
+_BACKGROUND_READ_BYTES = 8 << 20
+_READ_CHUNK = 16 << 20
+
+
+class _BackgroundRead:
+    """Fills `buf` from `f` on a thread, so the parser can checksum tensors already read
+    while later bytes arrive (file reads and crc32 both release the GIL)."""
+
+    def __init__(self, f: Any, buf: np.ndarray[Any, Any], source: str) -> None:
+        self._f, self._view, self._source = f, buf.data, source
+        self._cond = threading.Condition()
+        self._done = 0
+        self._finished = False
+        self._stop = False
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="trainrec-read", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        total = len(self._view)
+        try:
+            while self._done < total and not self._stop:
+                n = self._f.readinto(self._view[self._done : self._done + _READ_CHUNK])
+                if not n:
+                    break
+                with self._cond:
+                    self._done += n
+                    self._cond.notify_all()
+        except OSError as e:
+            self._error = e
+        finally:
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    def wait(self, upto: int) -> int:
+        with self._cond:
+            while self._done < upto and not self._finished:
+                self._cond.wait()
+        if self._error is not None:
+            raise RecorderError(f"cannot read checkpoint: {self._error}", source=self._source)
+        return self._done
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
 
 
 def _read_exactly(f: Any, buf: np.ndarray[Any, Any], source: str) -> None:

@@ -339,3 +339,17 @@ def test_from_array_never_changes_the_callers_array():
     copied = TensorData.from_array(arr)
     arr[0] = 9
     assert copied.array[0] == 0 and view.array[0] == 9
+
+
+def test_mmap_verify_checks_every_tensor_now_and_durable_false_still_replaces_atomically(tmp_path):
+    path = tmp_path / "v.mpk"
+    fast = NamedMpkFileRecorder(durable=False)
+    fast.save_item({"a": TensorData.from_array(np.arange(64, dtype=np.float32))}, path)
+    item = fast.load_item(path, mmap=True, verify=True)
+    assert item["a"].is_loaded and item["a"].array.ctypes.data % 64 == 0
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(np.float32(5).tobytes())] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError):
+        fast.load_item(path, mmap=True, verify=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["v.mpk"]

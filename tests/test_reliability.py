@@ -392,3 +392,24 @@ def test_a_save_removes_temp_files_of_dead_writers_only(tmp_path):
         p.write_bytes(b"partial")
     DefaultRecorder().save_item({"a": 1}, path)
     assert not orphan.exists() and alive.exists() and other.exists()
+
+
+def test_adapter_recorders_refuse_unknown_major_versions(tmp_path):
+    torch = pytest.importorskip("torch")
+    import msgpack
+
+    import trainrec.adapters.torch as trt
+
+    pt = trt.TorchFileRecorder().save_item({"a": 1}, tmp_path / "x.pt")
+    doc = torch.load(pt, weights_only=True)
+    doc["version"] = [9, 0]
+    torch.save(doc, pt)
+    with pytest.raises(trainrec.UnsupportedVersionError, match="9.0"):
+        trt.TorchFileRecorder().load_item(pt)
+    jax_adapter = pytest.importorskip("trainrec.adapters.jax")
+    fl = jax_adapter.FlaxMsgpackFileRecorder().save_item({"a": 1}, tmp_path / "x.msgpack")
+    doc = msgpack.unpackb(fl.read_bytes())
+    doc["version"] = [9, 1]
+    fl.write_bytes(msgpack.packb(doc))
+    with pytest.raises(trainrec.UnsupportedVersionError, match="9.1"):
+        jax_adapter.FlaxMsgpackFileRecorder().load_item(fl)

@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 import trainrec
-from trainrec import GradientsParams, Recorder
-from trainrec.demo import Parts
+from trainrec import DType, GradientsParams, Recorder
+from trainrec.conformance.harness import Harness, Parts
 
 from .bindings import JaxLrScheduler, JaxModule, JaxOptimizer, grads_from, to_tree
 from .recorder import FlaxMsgpackFileRecorder
@@ -50,17 +50,22 @@ def _mlp() -> Any:
     return MLP()
 
 
-class JaxWorkload:
+class JaxWorkload(Harness):
     name = "jax"
+    ref = "trainrec.adapters.jax.demo:WORKLOAD"
     state_type = JaxDemoState
+    # JAX runs with 32-bit types unless jax_enable_x64 is set
+    dtypes = tuple(d for d in DType if d not in (DType.F64, DType.I64, DType.U64))
     recorders: dict[str, Recorder] = {
         "flax": FlaxMsgpackFileRecorder(trainrec.NativePrecisionSettings()),
         "flax-full": FlaxMsgpackFileRecorder(),
     }
 
-    def __init__(self, variant: str) -> None:
+    def __init__(self, variant: str = "default") -> None:
         self.variant = variant
         self.device = os.environ.get("TRAINREC_DEMO_DEVICE")  # None: JAX's default device
+        if variant != "default":
+            self.ref = f"trainrec.adapters.jax.demo:WORKLOADS_{variant.upper()}"
         self.net = _mlp()
         self._grad = jax.jit(jax.value_and_grad(self._loss))
         self._update = jax.jit(self._apply, static_argnums=0)
@@ -109,12 +114,9 @@ class JaxWorkload:
         params, opt.opt_state = self._update(opt.tx, grads, opt.opt_state, parts.model.params["params"])
         parts.model.params = {**parts.model.params, "params": params}
 
-    def before_capture(self, parts: Parts) -> None:
-        pass  # the PRNG key already lives in the state
-
-    def after_restore(self, parts: Parts) -> None:
-        pass
+    # before_capture / after_restore: nothing to do, the PRNG key lives in the state
 
 
 WORKLOADS = {name: JaxWorkload(name) for name in ("default", "injected")}
 WORKLOAD = WORKLOADS["default"]
+WORKLOADS_INJECTED = WORKLOADS["injected"]

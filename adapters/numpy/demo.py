@@ -11,7 +11,7 @@ import numpy as np
 
 import trainrec
 from trainrec import GradientsParams, RngRecord
-from trainrec.demo import Parts
+from trainrec.conformance.harness import Harness, Parts
 
 from .mlp import MLP
 from .optim import AdamW
@@ -27,8 +27,9 @@ class DemoState:
     rng: RngRecord | None = None
 
 
-class NumpyWorkload:
+class NumpyWorkload(Harness):
     name = "numpy"
+    ref = "trainrec.adapters.numpy.demo:WORKLOAD"
     device = "cpu"
     state_type = DemoState
 
@@ -63,6 +64,9 @@ class NumpyWorkload:
     def after_restore(self, parts: Parts) -> None:
         state: Any = parts.state
         state.rng.apply(parts.extras["gen"])
+
+    def native_objects(self, parts: Parts) -> list[Any]:
+        return [parts.model, parts.optimizer, parts.scheduler, np.zeros(1)]
 
 
 WORKLOAD = NumpyWorkload()

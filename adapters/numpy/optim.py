@@ -76,15 +76,11 @@ class _Optimizer:
             if not isinstance(entry, dict):
                 raise RecordMismatchError("per-parameter state must be a map", key=where)
             tensors = {k: v for k, v in entry.items() if isinstance(v, TensorData)}
-            scalars = {k: v for k, v in entry.items() if not isinstance(v, TensorData)}
-            checked: dict[str, Any] = dict(
-                check_tensor_map(tensors, expected, where, allow_subset=True)
-            )
-            for k, v in scalars.items():
-                if k != "step" or not isinstance(v, (int, float)):
+            check_tensor_map(tensors, expected, where, allow_subset=True)
+            for k, v in entry.items():
+                if not isinstance(v, TensorData) and (k != "step" or not isinstance(v, (int, float))):
                     raise RecordMismatchError(f"unexpected state entry {k!r}", key=where)
-                checked[k] = v
-            out[pid] = checked
+            out[pid] = dict(entry)  # the record's order: a restored run re-saves the same bytes
         return dict(hyper), out
 
     def check_record(self, record: Any, module: Any) -> None:

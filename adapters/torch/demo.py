@@ -21,7 +21,7 @@ from torch import nn
 
 import trainrec
 from trainrec import FloatDType, Recorder
-from trainrec.demo import Parts
+from trainrec.conformance.harness import Harness, Parts
 
 from .grads import grads_from, set_grads
 from .recorder import TorchFileRecorder
@@ -37,17 +37,20 @@ class TorchDemoState:
     rng: TorchRngRecord | None = None
 
 
-class TorchWorkload:
+class TorchWorkload(Harness):
     name = "torch"
+    ref = "trainrec.adapters.torch.demo:WORKLOAD"
     state_type = TorchDemoState
     recorders: dict[str, Recorder] = {
         "torch": TorchFileRecorder(trainrec.NativePrecisionSettings()),
         "torch-full": TorchFileRecorder(),
     }
 
-    def __init__(self, variant: str) -> None:
+    def __init__(self, variant: str = "default") -> None:
         self.variant = variant
         self.device = os.environ.get("TRAINREC_DEMO_DEVICE", "cpu")
+        if variant != "default":
+            self.ref = f"trainrec.adapters.torch.demo:WORKLOADS_{variant.upper()}"
 
     def build(self, seed: int) -> Parts:
         torch.set_num_threads(1)  # one thread: the same float summation order in every process
@@ -120,3 +123,4 @@ class TorchWorkload:
 
 WORKLOADS = {name: TorchWorkload(name) for name in ("default", "conv", "bf16")}
 WORKLOAD = WORKLOADS["default"]
+WORKLOADS_CONV, WORKLOADS_BF16 = WORKLOADS["conv"], WORKLOADS["bf16"]

@@ -1,0 +1,181 @@
+"""Save/load callables for trainrec and its peers, on one state of torch tensors.
+
+Every `load` returns the state fully materialized as torch tensors. A peer whose package
+is not installed is reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+State = dict[str, Any]  # name -> torch.Tensor
+Save = Callable[[State, Path], None]
+Load = Callable[[Path], State]
+
+
+def _torch_views(item: Any) -> State:
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only views of the loaded buffer
+        return {k: torch.from_numpy(t.array) for k, t in item.items()}
+
+
+def raw() -> tuple[Save, Load]:
+    """The limit: the same bytes with one write each (plus fsync) and one readinto."""
+    import torch
+
+    layout: dict[str, tuple[int, int, Any, tuple[int, ...]]] = {}
+
+    def save(state: State, path: Path) -> None:
+        import os
+
+        at = 0
+        with open(path, "wb") as f:
+            for k, t in state.items():
+                view = t.numpy().reshape(-1).view(np.uint8)
+                f.write(view.data)
+                layout[k] = (at, view.nbytes, t.dtype, tuple(t.shape))
+                at += view.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(path: Path) -> State:
+        buf = np.empty(path.stat().st_size, np.uint8)
+        with open(path, "rb") as f:
+            f.readinto(buf.data)
+        whole = torch.from_numpy(buf)
+        return {k: whole[a : a + n].view(dt).reshape(shape) for k, (a, n, dt, shape) in layout.items()}
+
+    return save, load
+
+
+def trainrec_recorder(kind: str) -> tuple[Save, Load]:
+    import trainrec
+
+    load_kw: dict[str, Any] = {}
+    if kind == "default":
+        recorder: Any = trainrec.DefaultRecorder()
+    elif kind == "fast":  # no fsync (as torch.save), mapped and fully verified load
+        recorder = trainrec.NamedMpkFileRecorder(durable=False)
+        load_kw = {"mmap": True, "verify": True}
+    elif kind == "gz":
+        recorder = trainrec.NamedMpkGzFileRecorder()
+    else:
+        import trainrec.adapters.torch as trt
+
+        recorder = trt.TorchFileRecorder()
+
+    def save(state: State, path: Path) -> None:
+        item = {k: trainrec.TensorData.from_array(t.numpy(), copy=False) for k, t in state.items()}
+        recorder.save_item(item, path)
+
+    def load(path: Path) -> State:
+        return _torch_views(recorder.load_item(path, **load_kw))
+
+    return save, load
+
+
+def torch_pickle() -> tuple[Save, Load]:
+    import torch
+
+    return (lambda state, path: torch.save(state, path),
+            lambda path: torch.load(path, weights_only=True))
+
+
+def safetensors_torch() -> tuple[Save, Load]:
+    from safetensors.torch import load_file, save_file
+
+    return (lambda state, path: save_file(state, str(path)), lambda path: load_file(str(path)))
+
+
+def flax_msgpack() -> tuple[Save, Load]:
+    import torch
+    from flax import serialization
+
+    def save(state: State, path: Path) -> None:
+        path.write_bytes(serialization.msgpack_serialize({k: t.numpy() for k, t in state.items()}))
+
+    def load(path: Path) -> State:
+        restored = serialization.msgpack_restore(path.read_bytes())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return {k: torch.from_numpy(v) for k, v in restored.items()}
+
+    return save, load
+
+
+def orbax_standard() -> tuple[Save, Load]:
+    import shutil
+
+    import orbax.checkpoint as ocp
+    import torch
+
+    def save(state: State, path: Path) -> None:
+        if path.exists():
+            shutil.rmtree(path)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(path.absolute(), {k: t.numpy() for k, t in state.items()})
+
+    def load(path: Path) -> State:
+        with ocp.StandardCheckpointer() as ckpt:
+            restored = ckpt.restore(path.absolute())
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in restored.items()}
+
+    return save, load
+
+
+PEERS: dict[str, Callable[[], tuple[Save, Load]]] = {
+    "raw write/readinto": raw,
+    "trainrec DefaultRecorder": lambda: trainrec_recorder("default"),
+    "trainrec no fsync, mmap+verify": lambda: trainrec_recorder("fast"),
+    "trainrec TorchFileRecorder": lambda: trainrec_recorder("torch"),
+    "trainrec NamedMpkGzFileRecorder": lambda: trainrec_recorder("gz"),
+    "torch.save/load(weights_only)": torch_pickle,
+    "safetensors.torch": safetensors_torch,
+    "flax msgpack": flax_msgpack,
+    "orbax StandardCheckpointer": orbax_standard,
+}
+
+
+def lazy_rows(state: State, tmp: Path) -> dict[str, Callable[[], None]]:
+    """Open a file of the whole state and read its smallest tensor."""
+    import torch
+
+    small = min(state, key=lambda k: state[k].numel())
+    rows: dict[str, Callable[[], None]] = {}
+    import trainrec
+
+    mpk = tmp / "lazy.mpk"
+    trainrec.DefaultRecorder().save_item(
+        {k: trainrec.TensorData.from_array(t.numpy(), copy=False) for k, t in state.items()}, mpk)
+
+    def trainrec_mmap() -> None:
+        item = trainrec.DefaultRecorder().load_item(mpk, mmap=True)
+        _ = item[small].array  # type: ignore[index, union-attr]
+
+    rows["trainrec mmap=True"] = trainrec_mmap
+    pt = tmp / "lazy.pt"
+    torch.save(state, pt)
+    rows["torch.load(mmap=True)"] = lambda: torch.load(pt, weights_only=True, mmap=True)[small].clone()
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        st = tmp / "lazy.safetensors"
+        save_file(state, str(st))
+
+        def safetensors_lazy() -> None:
+            with safe_open(str(st), "pt") as f:
+                f.get_tensor(small)
+
+        rows["safetensors safe_open"] = safetensors_lazy
+    except ImportError:
+        pass
+    return rows
+

@@ -1,0 +1,216 @@
+"""The spec test vectors: golden files in every recorder format with their expected
+contents in JSON (`spec/vectors/`, installed as `trainrec.conformance.golden`).
+
+    python -m trainrec.conformance.vectors write spec/vectors   # regenerate
+    python -m trainrec.conformance.vectors check                # verify
+
+A vector is checked two ways: loading it gives exactly the JSON's contents (dtypes,
+shapes, bytes, scalars), and writing the same record again, with the trainrec version
+recorded in the file, gives the same bytes. A format change that breaks a vector must
+bump the format version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.resources
+import importlib.util
+import json
+import random
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import DType
+from ..items import Item
+from ..precision import (
+    DoublePrecisionSettings,
+    FullPrecisionSettings,
+    HalfPrecisionSettings,
+    NativePrecisionSettings,
+)
+from ..recorders import NamedMpkFileRecorder, NamedMpkGzFileRecorder, RecorderBase
+from ..tensor import TensorData
+
+__all__ = ["describe", "check_vectors", "write_vectors", "vector_dir"]
+
+_SETTINGS = {s.name: s for s in (FullPrecisionSettings(), HalfPrecisionSettings(),
+                                  DoublePrecisionSettings(), NativePrecisionSettings())}
+
+
+def _t(values: Any, dtype: DType) -> TensorData:
+    return TensorData.from_array(np.asarray(values).astype(dtype.numpy))
+
+
+def _every_dtype() -> Item:
+    item: dict[str, Item] = {}
+    for d in DType:
+        vals = np.arange(6).reshape(2, 3) % 5
+        item[d.value] = _t(vals % 2 == 1 if d is DType.BOOL else (vals / 4 if d.is_float else vals), d)
+    item["zero_d"] = _t(2.5, DType.F32)
+    item["empty"] = _t(np.zeros((0, 3)), DType.F32)
+    item["specials"] = _t([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40], DType.F32)
+    return item
+
+
+def _precision_item() -> Item:
+    return {"f64": _t([0.5, 1.25, -3.0], DType.F64), "f32": _t([[1.5, 2.0]], DType.F32),
+            "bf16": _t([1.0, -2.0], DType.BF16), "i64": _t([1, -7, 300], DType.I64),
+            "u8": _t([0, 255], DType.U8), "bool": _t([True, False], DType.BOOL),
+            "scalars": {"int": 7, "float": 0.1, "str": "s"}}
+
+
+def _nested() -> Item:
+    return {"a": [1, -2, 2**63, 2.5, None, True, False, "text", b"\x00\xff"],
+            "b": {"c": {"d": [_t([1, 2, 3], DType.I32), {"e": _t([[0.5]], DType.F16)}]}},
+            "unicode": "ünïcødé ✓", "empty": {"list": [], "map": {}}}
+
+
+def _training_record() -> Any:
+    h = importlib.import_module("trainrec.adapters.numpy.demo").WORKLOAD
+    random.seed(0)
+    np.random.seed(0)
+    parts = h.build(0)
+    for _ in range(6):  # one window of 4 applied, 2 gradients pending
+        h.micro_step(parts)
+        parts.state.micro += 1
+        if parts.state.micro % 4 == 0:
+            h.apply_window(parts, 4)
+    h.before_capture(parts)
+    from ..training import TrainingRecord
+
+    return TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
+                                  parts.accumulator, parts.state)
+
+
+def _recorder(kind: str, settings: str) -> RecorderBase:
+    s = _SETTINGS[settings]
+    if kind == "mpk":
+        return NamedMpkFileRecorder(s)
+    if kind == "gz":
+        return NamedMpkGzFileRecorder(s)
+    if kind == "torch":
+        return importlib.import_module("trainrec.adapters.torch").TorchFileRecorder(s)  # type: ignore[no-any-return]
+    return importlib.import_module("trainrec.adapters.jax").FlaxMsgpackFileRecorder(s)  # type: ignore[no-any-return]
+
+
+# name -> (recorder kind, settings name, builder returning an item or a record, needs)
+VECTORS: dict[str, tuple[str, str, Callable[[], Any], str]] = {
+    "every-dtype.mpk": ("mpk", "native", _every_dtype, ""),
+    **{f"precision-{n}.mpk": ("mpk", n, _precision_item, "") for n in _SETTINGS},
+    "nested.mpk": ("mpk", "full", _nested, ""),
+    "nested.mpk.gz": ("gz", "full", _nested, ""),
+    "training-record.mpk": ("mpk", "native", _training_record, ""),
+    "nested.pt": ("torch", "native", _nested, "torch"),
+    "every-dtype.pt": ("torch", "native", _every_dtype, "torch"),
+    "nested.msgpack": ("flax", "native", _nested, "jax"),
+    "every-dtype.msgpack": ("flax", "native", _every_dtype, "jax"),
+}
+
+
+def describe(item: Item) -> Any:
+    """An item as exact JSON: tensors as dtype, shape and hex bytes; floats by `float.hex`."""
+    if isinstance(item, TensorData):
+        return {"tensor": item.dtype.value, "shape": list(item.shape), "hex": item.to_bytes().hex()}
+    if isinstance(item, bytes):
+        return {"bytes": item.hex()}
+    if isinstance(item, float):
+        return {"float": item.hex()}
+    if isinstance(item, dict):
+        return {"map": {k: describe(v) for k, v in item.items()}}
+    if isinstance(item, list):
+        return [describe(v) for v in item]
+    return item
+
+
+def vector_dir() -> Path:
+    return Path(str(importlib.resources.files("trainrec.conformance.golden")))
+
+
+@contextlib.contextmanager
+def _pinned_version(version: str) -> Iterator[None]:
+    """Write with the trainrec version a vector records, so its bytes can match."""
+    names = ["trainrec.format", "trainrec.adapters.torch.recorder", "trainrec.adapters.jax.recorder"]
+    saved = {n: sys.modules[n].__version__ for n in names if n in sys.modules}
+    for n in saved:
+        sys.modules[n].__version__ = version  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            sys.modules[n].__version__ = v  # type: ignore[attr-defined]
+
+
+def _write_one(name: str, directory: Path) -> Path:
+    kind, settings, build, _ = VECTORS[name]
+    recorder = _recorder(kind, settings)
+    built = build()
+    path = directory / name
+    if hasattr(built, "into_item") and not isinstance(built, (dict, list)):
+        recorder.save_item(built.into_item(NativePrecisionSettings()), path, built.RECORD_NAME)
+    else:
+        recorder.save_item(built, path)
+    return path
+
+
+def write_vectors(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {}
+    for name, (kind, settings, _, needs) in VECTORS.items():
+        if needs and importlib.util.find_spec(needs) is None:
+            print(f"skipped {name}: needs {needs}")
+            continue
+        path = _write_one(name, directory)
+        header, item = _recorder(kind, settings).read(path)
+        (directory / f"{name}.json").write_text(json.dumps(describe(item), indent=1) + "\n")
+        manifest[name] = {"recorder": kind, "settings": settings, "record": header.record_type,
+                          "trainrec": header.trainrec_version, "needs": needs}
+        print(f"wrote {name}")
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def check_vectors(core_only: bool = False) -> list[str]:
+    """Problems found (empty when every vector loads bit-exactly and rewrites to the same
+    bytes); vectors whose framework is not installed are left out."""
+    directory = vector_dir()
+    manifest = json.loads((directory / "manifest.json").read_text())
+    problems: list[str] = []
+    for name, info in manifest.items():
+        needs = info["needs"]
+        if needs and (core_only or importlib.util.find_spec(needs) is None):
+            continue
+        recorder = _recorder(info["recorder"], info["settings"])
+        header, item = recorder.read(directory / name)
+        expected = json.loads((directory / f"{name}.json").read_text())
+        if describe(item) != expected:
+            problems.append(f"{name}: loaded contents differ from {name}.json")
+        if header.record_type != info["record"]:
+            problems.append(f"{name}: record type {header.record_type!r}")
+        with tempfile.TemporaryDirectory() as tmp, _pinned_version(info["trainrec"]):
+            again = _write_one(name, Path(tmp)).read_bytes()
+        if again != (directory / name).read_bytes():
+            problems.append(f"{name}: writing the same record gives different bytes "
+                            "(a format change must bump the format version)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["write"] and len(args) == 2:
+        write_vectors(Path(args[1]))
+        return 0
+    if args == ["check"]:
+        problems = check_vectors()
+        print("\n".join(problems) or "all vectors OK")
+        return 1 if problems else 0
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The conformance suite (`trainrec.conformance`) against every adapter: the same tests,
+subclassed once per harness, exactly as a third-party adapter author runs them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+from trainrec.conformance import AdapterConformance
+
+
+def _harness(module: str, needs: str):
+    if importlib.util.find_spec(needs) is None:
+        return None
+    return importlib.import_module(module)
+
+
+class TestNumpyReference(AdapterConformance):
+    harness = importlib.import_module("trainrec.adapters.numpy.demo").WORKLOAD
+
+
+_torch = _harness("trainrec.adapters.torch.demo", "torch")
+_jax = _harness("trainrec.adapters.jax.demo", "flax")
+_strict = _harness("trainrec_arraystrict.testing", "trainrec_arraystrict")
+
+
+@pytest.mark.skipif(_torch is None, reason="torch is not installed")
+class TestTorch(AdapterConformance):
+    harness = _torch.WORKLOAD if _torch else None
+
+
+@pytest.mark.skipif(_jax is None, reason="jax and flax are not installed")
+class TestJax(AdapterConformance):
+    harness = _jax.WORKLOAD if _jax else None
+
+
+@pytest.mark.skipif(_strict is None, reason="tests/thirdparty_adapter is not installed")
+class TestThirdPartyArrayStrict(AdapterConformance):
+    """A backend trainrec does not ship, installed as its own package and found through
+    its entry point (tests/thirdparty_adapter)."""
+
+    harness = _strict.HARNESS if _strict else None
+
+
+def test_the_third_party_adapter_is_found_through_its_entry_point():
+    pytest.importorskip("trainrec_arraystrict")
+    import subprocess
+    import sys
+
+    code = ("import sys, trainrec, array_api_strict as xp\n"
+            "b = trainrec.adapt(xp.asarray([1.0]))\n"
+            "assert type(b).__module__ == 'trainrec_arraystrict.adapter', type(b)\n"
+            "assert 'trainrec_arraystrict' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
