@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .envelope import path_arg
 from .errors import CorruptRecordError, FileMissingError, RecorderError, RecordMismatchError
 from .format import ALIGNMENT, Header, read_document, write_document
 from .items import Item
@@ -106,13 +107,13 @@ class NamedMpkFileRecorder(RecorderBase):
     def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
         from ._atomic import atomic_write
 
-        path = _path(args)
+        path = path_arg(args)
         with atomic_write(path, durable=self._durable) as f:
             write_document(f, item, self._settings, record_type)
         return path
 
     def read(self, args: Any, *, mmap: bool = False, verify: bool = False) -> tuple[Header, Item]:
-        path = _path(args)
+        path = path_arg(args)
         source = str(path)
         try:
             with open(path, "rb") as f:
@@ -160,7 +161,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
     def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
         from ._atomic import atomic_write
 
-        path = _path(args)
+        path = path_arg(args)
         with atomic_write(path) as f:
             with gzip.GzipFile(
                 filename="", mode="wb", fileobj=f, compresslevel=self._level, mtime=0
@@ -169,7 +170,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
         return path
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
-        path = _path(args)
+        path = path_arg(args)
         source = str(path)
         try:
             with open(path, "rb") as f:
@@ -217,7 +218,7 @@ class CompactRecorder(NamedMpkFileRecorder):
 
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:
     """Header and item of a NamedMpk file, plain or gzip (told apart by the gzip magic)."""
-    p = _path(path)
+    p = path_arg(path)
     try:
         with open(p, "rb") as f:
             magic = f.read(2)
@@ -228,12 +229,6 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
     if magic == b"\x1f\x8b":
         return NamedMpkGzFileRecorder().read(p)
     return NamedMpkFileRecorder().read(p, mmap=mmap)
-
-
-def _path(args: Any) -> Path:
-    if not isinstance(args, (str, os.PathLike)):
-        raise TypeError(f"file recorders take a path, got {type(args).__name__}")
-    return Path(args)
 
 
 def _aligned_buffer(size: int) -> np.ndarray[Any, Any]:

@@ -11,7 +11,6 @@ loads as an item. Loading is bounded by the file size and never imports anything
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import msgpack
 import numpy as np
 
 from trainrec import (
-    ChecksumError,
     CorruptRecordError,
     DType,
     FileMissingError,
@@ -28,12 +26,11 @@ from trainrec import (
     NativePrecisionSettings,
     RecorderError,
     TensorData,
-    UnsupportedVersionError,
-    __version__,
 )
 from trainrec._atomic import atomic_write
-from trainrec.items import Item, check_item, iter_tensors, join_key
-from trainrec.precision import convert_tensor, settings_by_name
+from trainrec.envelope import crc_of, header_fields, parse_header, path_arg, verify_checksums
+from trainrec.items import Item, check_item, join_key
+from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
 
 __all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
@@ -67,22 +64,16 @@ class FlaxMsgpackFileRecorder(RecorderBase):
 
     def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
         check_item(item)
-        path = _path(args)
+        path = path_arg(args)
         checksums: dict[str, int] = {}
         packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         s = self.settings
-        header = {
-            "format": FORMAT, "version": list(VERSION), "trainrec": __version__,
-            "settings": {"name": s.name,
-                         "float": None if s.float_dtype is None else s.float_dtype.value,
-                         "int": None if s.int_dtype is None else s.int_dtype.value},
-            "record": record_type,
-        }
+        header = header_fields(FORMAT, VERSION, s, record_type)
 
         def write(f: Any, node: Item, key: str) -> None:
             if isinstance(node, TensorData):
                 t = convert_tensor(node, s)
-                checksums[key] = zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
+                checksums[key] = crc_of(t)
                 f.write(packer.pack(_tensor(t)))
             elif isinstance(node, dict):
                 f.write(packer.pack_map_header(len(node)))
@@ -108,7 +99,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
         return path
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
-        path = _path(args)
+        path = path_arg(args)
         source = str(path)
         try:
             data = path.read_bytes()
@@ -141,22 +132,8 @@ def parse(data: bytes, source: str) -> tuple[Header, Item]:
                                  source=source) from None
     ours = isinstance(doc, dict) and doc.get("format") == FORMAT
     if ours:
-        version = doc.get("version")
-        if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
-            raise CorruptRecordError("malformed version", source=source, key="version")
-        if version[0] != VERSION[0]:
-            raise UnsupportedVersionError(
-                f"format version {version[0]}.{version[1]} is not supported; this trainrec "
-                f"reads {VERSION[0]}.x", source=source, key="version")
-        settings, record, checksums = doc.get("settings"), doc.get("record"), doc.get("checksums")
-        if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, dict):
-            raise CorruptRecordError("header lacks settings, record or checksums", source=source)
-        try:
-            precision = settings_by_name(settings["name"], settings.get("float"), settings.get("int"))
-        except (KeyError, ValueError, TypeError) as e:
-            raise CorruptRecordError(f"malformed precision settings ({e})", source=source) from None
-        header = Header(FORMAT, (version[0], version[1]), str(doc.get("trainrec", "")), precision, record)
-        body = doc.get("item")
+        header = parse_header(doc, FORMAT, VERSION[0], source)
+        body, checksums = doc.get("item"), doc.get("checksums")
     elif isinstance(doc, dict):  # a plain flax file: a state dict, no header, no checksums
         header = Header("flax.msgpack", (0, 0), "", NativePrecisionSettings(), "Item")
         body, checksums = doc, None
@@ -164,16 +141,8 @@ def parse(data: bytes, source: str) -> tuple[Header, Item]:
         raise CorruptRecordError("neither a trainrec record nor a flax state dict (a map)",
                                  source=source)
     item = _convert(body, "", source, 0)
-    if checksums is not None:
-        found = dict(iter_tensors(item))
-        if set(found) != set(checksums):
-            raise CorruptRecordError("the checksum table does not match the tensors", source=source,
-                                     key="checksums")
-        for key, t in found.items():
-            got = zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
-            if got != checksums[key]:
-                raise ChecksumError(f"tensor checksum mismatch (stored {checksums[key]!r}, "
-                                    f"computed {got:#010x})", source=source, key=f"item.{key}")
+    if ours:
+        verify_checksums(item, checksums, source)
     return header, item
 
 
@@ -251,9 +220,3 @@ def _unchunk(node: dict[str, Any], source: str, key: str) -> np.ndarray[Any, Any
         return flat.reshape(shape)
     except (ValueError, TypeError):
         raise CorruptRecordError("chunked array does not fit its shape", source=source, key=key) from None
-
-
-def _path(args: Any) -> Path:
-    if not isinstance(args, (str, Path)) and not hasattr(args, "__fspath__"):
-        raise TypeError(f"file recorders take a path, got {type(args).__name__}")
-    return Path(args)

@@ -10,7 +10,6 @@ lists, scalars, str, bytes, None and CPU tensors. Loading only ever uses
 from __future__ import annotations
 
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ import numpy as np
 import torch
 
 from trainrec import (
-    ChecksumError,
     CorruptRecordError,
     DType,
     FileMissingError,
@@ -27,12 +25,11 @@ from trainrec import (
     Precision,
     RecorderError,
     TensorData,
-    UnsupportedVersionError,
-    __version__,
 )
 from trainrec._atomic import atomic_write
-from trainrec.items import Item, check_item, iter_tensors, join_key
-from trainrec.precision import convert_tensor, settings_by_name
+from trainrec.envelope import crc_of, header_fields, parse_header, path_arg, verify_checksums
+from trainrec.items import Item, check_item, join_key
+from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
 
 from .backend import from_torch_dtype, tensor_to_numpy, to_torch_dtype
@@ -85,13 +82,13 @@ class TorchFileRecorder(RecorderBase):
 
     def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
         check_item(item)
-        path = _path(args)
+        path = path_arg(args)
         checksums: dict[str, int] = {}
 
         def convert(node: Item, key: str) -> Any:
             if isinstance(node, TensorData):
                 t = convert_tensor(node, self.settings)
-                checksums[key] = zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
+                checksums[key] = crc_of(t)
                 return _to_torch(t)
             if isinstance(node, dict):
                 return {k: convert(v, join_key(key, k)) for k, v in node.items()}
@@ -99,18 +96,8 @@ class TorchFileRecorder(RecorderBase):
                 return [convert(v, join_key(key, i)) for i, v in enumerate(node)]
             return node
 
-        s = self.settings
-        doc = {
-            "format": FORMAT,
-            "version": list(VERSION),
-            "trainrec": __version__,
-            "settings": {"name": s.name,
-                         "float": None if s.float_dtype is None else s.float_dtype.value,
-                         "int": None if s.int_dtype is None else s.int_dtype.value},
-            "record": record_type,
-            "item": convert(item, ""),
-            "checksums": checksums,
-        }
+        doc = {**header_fields(FORMAT, VERSION, self.settings, record_type),
+               "item": convert(item, ""), "checksums": checksums}
         with atomic_write(path) as f:
             torch.save(doc, f)
         return path
@@ -121,7 +108,7 @@ class TorchFileRecorder(RecorderBase):
                 f"torch {torch.__version__} can execute code from a .pt file even with "
                 "weights_only=True (CVE-2025-32434); trainrec loads .pt files only with torch>=2.6"
             )
-        path = _path(args)
+        path = path_arg(args)
         source = str(path)
         if not path.exists():
             raise FileMissingError("no such checkpoint", source=source)
@@ -139,20 +126,7 @@ def _parse(doc: Any, source: str) -> tuple[Header, Item]:
 
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise fail("not a trainrec .pt record (wrong magic)")
-    version = doc.get("version")
-    if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
-        raise fail("malformed version", "version")
-    if version[0] != VERSION[0]:
-        raise UnsupportedVersionError(
-            f"format version {version[0]}.{version[1]} is not supported; this trainrec reads "
-            f"{VERSION[0]}.x", source=source, key="version")
-    settings, record, checksums = doc.get("settings"), doc.get("record"), doc.get("checksums")
-    if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, dict):
-        raise fail("header lacks settings, record or checksums")
-    try:
-        precision = settings_by_name(settings["name"], settings.get("float"), settings.get("int"))
-    except (KeyError, ValueError, TypeError) as e:
-        raise fail(f"malformed precision settings ({e})", "settings") from None
+    header = parse_header(doc, FORMAT, VERSION[0], source)
 
     def convert(node: Any, key: str, depth: int) -> Item:
         if depth > 64:
@@ -176,19 +150,5 @@ def _parse(doc: Any, source: str) -> tuple[Header, Item]:
         raise fail(f"{type(node).__name__} is not an item", key)
 
     item = convert(doc.get("item"), "item", 0)
-    found = dict(iter_tensors(item, ""))
-    if set(found) != set(checksums):
-        raise fail("the checksum table does not match the tensors", "checksums")
-    for key, t in found.items():
-        got = zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
-        if got != checksums[key]:
-            raise ChecksumError(f"tensor checksum mismatch (stored {checksums[key]!r}, computed "
-                                f"{got:#010x})", source=source, key=f"item.{key}")
-    version_t = (int(version[0]), int(version[1]))
-    return Header(FORMAT, version_t, str(doc.get("trainrec", "")), precision, record), item
-
-
-def _path(args: Any) -> Path:
-    if not isinstance(args, (str, Path)) and not hasattr(args, "__fspath__"):
-        raise TypeError(f"file recorders take a path, got {type(args).__name__}")
-    return Path(args)
+    verify_checksums(item, doc["checksums"], source)
+    return header, item

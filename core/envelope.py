@@ -1,0 +1,86 @@
+"""The trainrec header and checksum table carried by formats other than NamedMpk.
+
+Adapters' recorders (`.pt`, flax `.msgpack`) store a record as a plain map:
+`{"format", "version", "trainrec", "settings", "record", "item", "checksums"}`, where
+`checksums` maps each tensor's key path to the CRC-32 of its bytes. These helpers build
+and check that map, so every such recorder validates the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._version import __version__
+from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
+from .format import Header
+from .items import Item, iter_tensors
+from .precision import settings_by_name
+from .protocols import PrecisionSettings
+from .tensor import TensorData
+
+__all__ = ["header_fields", "parse_header", "crc_of", "verify_checksums", "path_arg"]
+
+
+def header_fields(fmt: str, version: tuple[int, int], settings: PrecisionSettings,
+                  record_type: str) -> dict[str, Any]:
+    """The header keys of an envelope, in order."""
+    return {
+        "format": fmt,
+        "version": list(version),
+        "trainrec": __version__,
+        "settings": {"name": settings.name,
+                     "float": None if settings.float_dtype is None else settings.float_dtype.value,
+                     "int": None if settings.int_dtype is None else settings.int_dtype.value},
+        "record": record_type,
+    }
+
+
+def parse_header(doc: dict[str, Any], fmt: str, major: int, source: str) -> Header:
+    """The header of a decoded envelope whose `format` is `fmt`; raises
+    `UnsupportedVersionError` for another major version, `CorruptRecordError` otherwise."""
+    version = doc.get("version")
+    if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
+        raise CorruptRecordError("malformed version", source=source, key="version")
+    if version[0] != major:
+        raise UnsupportedVersionError(
+            f"format version {version[0]}.{version[1]} is not supported; this trainrec reads "
+            f"{major}.x", source=source, key="version")
+    settings, record, checksums = doc.get("settings"), doc.get("record"), doc.get("checksums")
+    if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, dict):
+        raise CorruptRecordError("header lacks settings, record or checksums", source=source)
+    try:
+        precision = settings_by_name(settings["name"], settings.get("float"), settings.get("int"))
+    except (KeyError, ValueError, TypeError) as e:
+        raise CorruptRecordError(f"malformed precision settings ({e})", source=source,
+                                 key="settings") from None
+    return Header(fmt, (version[0], version[1]), str(doc.get("trainrec", "")), precision, record)
+
+
+def crc_of(t: TensorData) -> int:
+    """CRC-32 of a tensor's little-endian C-order bytes."""
+    return zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
+
+
+def verify_checksums(item: Item, checksums: Any, source: str) -> None:
+    """Check that `checksums` lists exactly the item's tensors and each matches."""
+    found = dict(iter_tensors(item))
+    if not isinstance(checksums, dict) or set(found) != set(checksums):
+        raise CorruptRecordError("the checksum table does not match the tensors", source=source,
+                                 key="checksums")
+    for key, t in found.items():
+        got = crc_of(t)
+        if got != checksums[key]:
+            raise ChecksumError(f"tensor checksum mismatch (stored {checksums[key]!r}, computed "
+                                f"{got:#010x})", source=source, key=f"item.{key}")
+
+
+def path_arg(args: Any) -> Path:
+    """A file recorder's args as a `Path`; `TypeError` for anything else."""
+    if not isinstance(args, (str, os.PathLike)):
+        raise TypeError(f"file recorders take a path, got {type(args).__name__}")
+    return Path(args)
