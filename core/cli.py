@@ -51,6 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ver.add_argument("file")
     ver.add_argument("--json", action="store_true")
 
+    dif = sub.add_parser("diff", help="compare two record files tensor by tensor (exit 1 when they differ)",
+                         description="Per-tensor max absolute and relative difference and the count of "
+                         "bitwise-equal tensors, for any two record files (any trainrec format).")
+    dif.add_argument("a")
+    dif.add_argument("b")
+    dif.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -66,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _inspect(args.file, args.json)
     if args.command == "verify":
         return _verify(args.file, args.json)
+    if args.command == "diff":
+        return _diff(args.a, args.b, args.json)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -154,3 +163,61 @@ def _verify(path: str, as_json: bool) -> int:
     else:
         print(f"OK: {path}: header, structure and {count} tensor checksums ({total} bytes) verified")
     return 0
+
+
+def _diff(a: str, b: str, as_json: bool) -> int:
+    import numpy as np
+
+    from .items import iter_tensors
+    from .recorders import read_file
+
+    try:
+        (ha, ia), (hb, ib) = read_file(a), read_file(b)
+    except RecorderError as e:
+        print(f"trainrec diff: {e}", file=sys.stderr)
+        return 3
+    ta, tb = dict(iter_tensors(ia)), dict(iter_tensors(ib))
+    rows = []
+    for key in sorted(set(ta) | set(tb)):
+        x, y = ta.get(key), tb.get(key)
+        if x is None or y is None:
+            rows.append({"key": key, "status": "only in " + ("b" if x is None else "a")})
+            continue
+        if x.shape != y.shape:
+            rows.append({"key": key, "status": f"shape {list(x.shape)} vs {list(y.shape)}"})
+            continue
+        equal = x.dtype is y.dtype and x.to_bytes() == y.to_bytes()
+        row: dict[str, Any] = {"key": key, "status": "equal" if equal else "differs",
+                               "dtype": [x.dtype.value, y.dtype.value]}
+        if not equal and x.numel and x.dtype.value != "bool" and y.dtype.value != "bool":
+            fx, fy = x.array.astype(np.float64), y.array.astype(np.float64)
+            diff = np.abs(fx - fy)
+            row["max_abs"] = float(np.nanmax(diff))
+            row["max_rel"] = float(np.nanmax(diff / np.maximum(np.abs(fx), 1e-30)))
+        rows.append(row)
+    others = ["record"] if ha.record_type != hb.record_type else []
+    same = sum(r["status"] == "equal" for r in rows)
+    scalars_equal = _scalars(ia) == _scalars(ib)
+    result = {"a": a, "b": b, "tensors": len(rows), "bitwise_equal": same,
+              "scalars_equal": scalars_equal, "rows": [r for r in rows if r["status"] != "equal"],
+              "headers_differ": others}
+    identical = same == len(rows) and scalars_equal
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        for r in result["rows"]:
+            extra = (f"  max abs {r['max_abs']:.3g}  max rel {r['max_rel']:.3g}" if "max_abs" in r else "")
+            print(f"{r['key']}: {r['status']}{extra}")
+        print(f"{same} of {len(rows)} tensors bitwise equal; scalars "
+              f"{'equal' if scalars_equal else 'differ'}")
+    return 0 if identical else 1
+
+
+def _scalars(item: Item) -> Any:
+    if isinstance(item, TensorData):
+        return None
+    if isinstance(item, dict):
+        return {k: _scalars(v) for k, v in item.items()}
+    if isinstance(item, list):
+        return [_scalars(v) for v in item]
+    return repr(item)

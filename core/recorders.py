@@ -217,18 +217,36 @@ class CompactRecorder(NamedMpkFileRecorder):
 
 
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:
-    """Header and item of a NamedMpk file, plain or gzip (told apart by the gzip magic)."""
+    """Header and item of any record file trainrec writes, told apart by its first bytes:
+    NamedMpk (plain or gzip), a `.pt` zip (`TorchFileRecorder`, needs torch) or flax
+    msgpack (`FlaxMsgpackFileRecorder`). Adapter recorders are imported only for their
+    own files."""
     p = path_arg(path)
     try:
         with open(p, "rb") as f:
-            magic = f.read(2)
+            magic = f.read(32)
     except FileNotFoundError as e:
         raise FileMissingError("no such checkpoint", source=str(p)) from e
     except OSError as e:
         raise RecorderError(f"cannot read checkpoint: {e}", source=str(p)) from e
-    if magic == b"\x1f\x8b":
+    if magic[:2] == b"\x1f\x8b":
         return NamedMpkGzFileRecorder().read(p)
+    if magic[:4] == b"PK\x03\x04":
+        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p)
+    is_map = bool(magic) and (0x80 <= magic[0] <= 0x8F or magic[0] in (0xDE, 0xDF))
+    if is_map and b"trainrec.namedmpk" not in magic:
+        return _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p).read(p)
     return NamedMpkFileRecorder().read(p, mmap=mmap)
+
+
+def _adapter_recorder(module: str, name: str, path: Path) -> RecorderBase:
+    import importlib
+
+    try:
+        recorder: RecorderBase = getattr(importlib.import_module(module), name)(NativePrecisionSettings())
+        return recorder
+    except ImportError as e:
+        raise RecorderError(f"reading this file needs {module} ({e})", source=str(path)) from e
 
 
 def _aligned_buffer(size: int) -> np.ndarray[Any, Any]:
