@@ -1,7 +1,8 @@
 """The `trainrec` command line (also `python -m trainrec`).
 
 Exit codes: 0 success, 1 the check failed (corrupt file, records differ, inexact
-resume), 2 usage errors, 3 a file could not be read as a record.
+resume), 2 usage errors, 3 a file could not be read or written as a record, 4 a
+conversion was refused (the message lists every reason).
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     dif.add_argument("b")
     dif.add_argument("--json", action="store_true")
 
+    con = sub.add_parser(
+        "convert", help="convert a record file between formats and frameworks",
+        description="Re-encode a record as NamedMpk (--to mpk), or convert a TrainingRecord "
+        "to the other framework (--to torch|jax) following a template: a record file "
+        "captured from a freshly built run of the target (its model and optimizer decide "
+        "names, layouts and state structure). DST's extension picks the format: .pt "
+        "(TorchFileRecorder), .msgpack (FlaxMsgpackFileRecorder), else NamedMpk.")
+    con.add_argument("src")
+    con.add_argument("dst")
+    con.add_argument("--to", required=True, choices=["torch", "jax", "mpk"])
+    con.add_argument("--template", help="record file of the target framework (for --to torch|jax)")
+    con.add_argument("--map", help="JSON rules file: {\"rules\": [{\"match\", \"replace\", \"transform\"}]}")
+    con.add_argument("--force", action="store_true", help="convert even where the optimizer maths differ")
+    con.add_argument("--drop-rng", action="store_true", help="drop framework RNG states (not convertible)")
+    con.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -75,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _verify(args.file, args.json)
     if args.command == "diff":
         return _diff(args.a, args.b, args.json)
+    if args.command == "convert":
+        return _convert(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -221,3 +240,75 @@ def _scalars(item: Item) -> Any:
     if isinstance(item, list):
         return [_scalars(v) for v in item]
     return repr(item)
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    if sys.stderr.isatty():
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done == total else ""
+        print(f"\r{what} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end,
+              file=sys.stderr, flush=True)
+
+
+def _recorder_for(path: str) -> Any:
+    from pathlib import Path
+
+    from .precision import NativePrecisionSettings
+    from .recorders import NamedMpkFileRecorder, _adapter_recorder
+
+    if path.endswith(".pt"):
+        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", Path(path))
+    if path.endswith(".msgpack"):
+        return _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", Path(path))
+    return NamedMpkFileRecorder(NativePrecisionSettings())
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import ConversionError, convert, framework_of, load_rules
+    from .items import iter_tensors, map_tensors
+    from .recorders import read_file
+    from .training import TrainingRecord
+
+    try:
+        header, item = read_file(args.src)
+        if args.to == "mpk":
+            total = sum(1 for _ in iter_tensors(item))
+            count = [0]
+
+            def tick(_: str, t: TensorData) -> TensorData:
+                count[0] += 1
+                _progress(count[0], total, "writing")
+                return t
+
+            _recorder_for(args.dst).save_item(map_tensors(item, tick), args.dst, header.record_type)
+            summary: dict[str, Any] = {"dst": args.dst, "record": header.record_type, "tensors": total}
+        else:
+            if not args.template:
+                print("trainrec convert: --to torch|jax needs --template", file=sys.stderr)
+                return 2
+            if header.record_type != "TrainingRecord":
+                print(f"trainrec convert: {args.src} holds a {header.record_type}, not a TrainingRecord",
+                      file=sys.stderr)
+                return 2
+            source: TrainingRecord[Any] = TrainingRecord.from_item(item)
+            template: TrainingRecord[Any] = TrainingRecord.from_item(read_file(args.template)[1])
+            if framework_of(template) != args.to:
+                print(f"trainrec convert: the template is a {framework_of(template)} record, not {args.to}",
+                      file=sys.stderr)
+                return 2
+            rules = load_rules(args.map) if args.map else None
+            converted = convert(source, template, rules=rules, force=args.force, drop_rng=args.drop_rng)
+            converted.save(_recorder_for(args.dst), args.dst)
+            summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,
+                       "parameters": sum(1 for _ in iter_tensors(converted.model.item)),
+                       "pending_gradients": len(converted.grads.grads)}
+    except ConversionError as e:
+        print(f"trainrec convert: refused: {e}", file=sys.stderr)
+        return 4
+    except (RecorderError, ValueError, OSError) as e:
+        print(f"trainrec convert: {e}", file=sys.stderr)
+        return 3
+    print(json.dumps(summary) if args.json else
+          "wrote " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    return 0

@@ -1,0 +1,353 @@
+"""Cross-framework conversion: train in one framework with gradient accumulation, stop in
+the middle of a window, convert the TrainingRecord, continue in the other framework;
+losses and final parameters match a run that never left the first one (1e-5 relative)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+fnn = pytest.importorskip("flax.linen")
+import jax.numpy as jnp  # noqa: E402
+from torch import nn  # noqa: E402
+
+import trainrec  # noqa: E402
+import trainrec.adapters.jax as trj  # noqa: E402
+import trainrec.adapters.torch as trt  # noqa: E402
+from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord  # noqa: E402
+from trainrec.convert import ConversionError, Rule, convert, load_rules  # noqa: E402
+
+WINDOW, K, M = 2, 5, 7  # checkpoint after micro-step 5: one gradient pending
+
+
+@trainrec.record
+class S:
+    micro: int
+
+
+# -- the two models of each kind -----------------------------------------------------------
+
+
+class TorchMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln = nn.Embedding(10, 8), nn.LayerNorm(8)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, tok):
+        return self.fc2(torch.relu(self.fc1(self.ln(self.emb(tok)).mean(1))))
+
+
+class FlaxMLP(fnn.Module):
+    @fnn.compact
+    def __call__(self, tok):
+        h = fnn.LayerNorm(epsilon=1e-5, name="ln")(fnn.Embed(10, 8, name="emb")(tok)).mean(1)
+        return fnn.Dense(3, name="fc2")(fnn.relu(fnn.Dense(16, name="fc1")(h)))
+
+
+class TorchConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, x):  # x: NHWC, as the flax model takes it
+        return self.head(torch.relu(self.conv(x.permute(0, 3, 1, 2))).mean((2, 3)))
+
+
+class FlaxConv(fnn.Module):
+    @fnn.compact
+    def __call__(self, x):
+        h = fnn.relu(fnn.Conv(4, (3, 3), padding=((1, 1), (1, 1)), name="conv")(x)).mean((1, 2))
+        return fnn.Dense(3, name="head")(h)
+
+
+CASES = {
+    "mlp-adamw": dict(
+        torch_model=TorchMLP, flax_model=FlaxMLP,
+        torch_opt=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
+        optax_opt=lambda: optax.adamw(1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01),
+        data=lambda rng: rng.integers(0, 10, size=(K + M, 4, 5))),
+    "conv-sgd-nesterov": dict(
+        torch_model=TorchConv, flax_model=FlaxConv,
+        torch_opt=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        optax_opt=lambda: optax.sgd(0.05, momentum=0.9, nesterov=True),
+        data=lambda rng: rng.normal(size=(K + M, 4, 5, 5, 2)).astype(np.float32)),
+}
+
+
+def batches(case):
+    rng = np.random.default_rng(0)
+    x = CASES[case]["data"](rng)
+    y = rng.normal(size=(K + M, 4, 3)).astype(np.float32)
+    return x, y
+
+
+# -- one framework's training loops --------------------------------------------------------
+
+
+class TorchRun:
+    def __init__(self, case, seed=0):
+        torch.manual_seed(seed)
+        self.case, self.model = case, CASES[case]["torch_model"]()
+        self.opt = CASES[case]["torch_opt"](self.model.parameters())
+        self.acc, self.losses = GradientsAccumulator(), []
+
+    def train(self, start, stop, x, y):
+        for i in range(start, stop):
+            loss = nn.functional.mse_loss(self.model(torch.from_numpy(x[i])), torch.from_numpy(y[i]))
+            loss.backward()
+            self.losses.append(loss.item())
+            self.acc.accumulate(self.model, trt.grads_from(self.model))
+            if (i + 1) % WINDOW == 0:
+                g = self.acc.grads()
+                trt.set_grads(self.model, GradientsParams({k: v / WINDOW for k, v in g.items()}))
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+
+    def record(self, micro):
+        return TrainingRecord.capture(self.model, self.opt, None, self.acc, S(micro))
+
+    def restore(self, record):
+        self.acc = record.restore(self.model, self.opt, None, "cpu").accumulator
+
+
+class JaxRun:
+    def __init__(self, case, seed=0):
+        self.case, self.net = case, CASES[case]["flax_model"]()
+        x, _ = batches(case)
+        variables = self.net.init(jax.random.PRNGKey(seed), jnp.asarray(x[0]))
+        self.model = trj.JaxModule(variables)
+        tx = CASES[case]["optax_opt"]()
+        self.opt = trj.JaxOptimizer(tx, tx.init(variables["params"]))
+        self.acc, self.losses = GradientsAccumulator(), []
+
+    def train(self, start, stop, x, y):
+        def loss_fn(p, xb, yb):
+            return jnp.mean((self.net.apply({"params": p}, xb) - yb) ** 2)
+
+        for i in range(start, stop):
+            loss, g = jax.value_and_grad(loss_fn)(self.model.params["params"], jnp.asarray(x[i]), jnp.asarray(y[i]))
+            self.losses.append(float(loss))
+            self.acc.accumulate(self.model, trj.grads_from(g, self.model))
+            if (i + 1) % WINDOW == 0:
+                g = self.acc.grads()
+                tree = trj.to_tree(GradientsParams({k: v / WINDOW for k, v in g.items()}), self.model)
+                params = self.model.params["params"]
+                updates, self.opt.opt_state = self.opt.tx.update(tree, self.opt.opt_state, params)
+                self.model.params = {"params": optax.apply_updates(params, updates)}
+
+    def record(self, micro):
+        return TrainingRecord.capture(self.model, self.opt, None, self.acc, S(micro))
+
+    def restore(self, record):
+        self.acc = record.restore(self.model, self.opt, None, "cpu").accumulator
+
+
+def via_file(record):
+    r = NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())
+    return TrainingRecord.load(r, record.save(r), state_type=S)
+
+
+def assert_params_close(record_a, record_b):
+    """Both records in the same framework: every model tensor within 1e-5 relative."""
+    def tensors(rec):
+        item = rec.model.item
+        return item["tensors"] if "tensors" in item else item
+
+    a, b = tensors(record_a), tensors(record_b)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k].array, b[k].array, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_to_jax_continues_the_same_run(case):
+    x, y = batches(case)
+    ref = TorchRun(case)
+    ref.train(0, K + M, x, y)
+    src = TorchRun(case)
+    src.train(0, K, x, y)
+    dst = JaxRun(case, seed=1)
+    converted = convert(via_file(src.record(K)), dst.record(0))
+    assert converted.grads.grads, "the pending gradient is carried over"
+    dst.restore(via_file(converted))
+    dst.train(K, K + M, x, y)
+    np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
+    back = convert(dst.record(K + M), TorchRun(case, seed=2).record(0))  # compare in torch layout
+    assert_params_close(back, ref.record(K + M))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_jax_to_torch_continues_the_same_run(case):
+    x, y = batches(case)
+    ref = JaxRun(case)
+    ref.train(0, K + M, x, y)
+    src = JaxRun(case)
+    src.train(0, K, x, y)
+    dst = TorchRun(case, seed=1)
+    converted = convert(via_file(src.record(K)), dst.record(0))
+    dst.restore(via_file(converted))
+    dst.train(K, K + M, x, y)
+    np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
+    back = convert(dst.record(K + M), JaxRun(case, seed=2).record(0))
+    assert_params_close(back, ref.record(K + M))
+
+
+def test_unmapped_tensors_are_listed_all_at_once():
+    src = TorchRun("mlp-adamw")
+    other = JaxRun("conv-sgd-nesterov")
+    with pytest.raises(ConversionError) as e:
+        convert(src.record(0), other.record(0))
+    text = str(e.value)
+    for name in ("emb.weight", "fc1.weight", "target params.conv.kernel", "target params.head.bias"):
+        assert name in text
+
+
+def test_user_rules_rename_and_transform(tmp_path):
+    class Renamed(fnn.Module):
+        @fnn.compact
+        def __call__(self, tok):
+            h = fnn.LayerNorm(epsilon=1e-5, name="norm")(fnn.Embed(10, 8, name="embed")(tok)).mean(1)
+            return fnn.Dense(3, name="out")(fnn.relu(fnn.Dense(16, name="hidden")(h)))
+
+    rules_file = tmp_path / "rules.json"
+    rules_file.write_text(json.dumps({"rules": [
+        {"match": r"emb\.weight", "replace": "params.embed.embedding"},
+        {"match": r"ln\.weight", "replace": "params.norm.scale"},
+        {"match": r"ln\.bias", "replace": "params.norm.bias"},
+        {"match": r"fc1\.weight", "replace": "params.hidden.kernel", "transform": "transpose"},
+        {"match": r"fc1\.bias", "replace": "params.hidden.bias"},
+        {"match": r"fc2\.(weight)", "replace": "params.out.kernel", "transform": "transpose"},
+        {"match": r"fc2\.bias", "replace": "params.out.bias"},
+    ]}))
+    rules = load_rules(rules_file)
+    src = TorchRun("mlp-adamw")
+    net = Renamed()
+    variables = net.init(jax.random.PRNGKey(0), jnp.zeros((1, 5), jnp.int32))
+    tx = optax.adamw(1e-2)
+    template = TrainingRecord.capture(trj.JaxModule(variables), trj.JaxOptimizer(tx, tx.init(variables["params"])),
+                                      None, GradientsAccumulator(), S(0))
+    out = convert(src.record(0), template, rules=rules)
+    np.testing.assert_array_equal(out.model.item["params.hidden.kernel"].array,
+                                  src.model.fc1.weight.detach().numpy().T)
+    with pytest.raises(ValueError):
+        Rule("x", "y", "rotate")
+
+
+@pytest.mark.parametrize(("opt", "why"), [
+    (lambda p: torch.optim.Adam(p, amsgrad=True), "AMSGrad"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5), "dampening"),
+    (lambda p: torch.optim.Adam(p, maximize=True), "maximize"),
+])
+def test_different_maths_are_refused_unless_forced(opt, why):
+    src = TorchRun("mlp-adamw")
+    src.opt = opt(src.model.parameters())
+    x, y = batches("mlp-adamw")
+    src.train(0, 2, x, y)
+    target = JaxRun("mlp-adamw").record(0)
+    with pytest.raises(ConversionError, match=why):
+        convert(src.record(2), target)
+    convert(src.record(2), target, force=True)
+
+
+def test_torch_rng_state_is_refused_unless_dropped():
+    @trainrec.record
+    class WithRng:
+        micro: int
+        rng: trt.TorchRngRecord
+
+    src = TorchRun("mlp-adamw")
+    record = TrainingRecord.capture(src.model, src.opt, None, src.acc, WithRng(0, trt.TorchRngRecord.capture()))
+    target = JaxRun("mlp-adamw").record(0)
+    with pytest.raises(ConversionError, match="drop_rng"):
+        convert(record, target)
+    out = convert(record, target, drop_rng=True)
+    assert out.state["rng"] is None and out.state["micro"] == 0
+
+
+def test_cli_convert(tmp_path):
+    import subprocess
+    import sys
+
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, K, x, y)
+    pt = tmp_path / "src.pt"
+    src.record(K).save(trt.TorchFileRecorder(trainrec.NativePrecisionSettings()), pt)
+    template = tmp_path / "template.msgpack"
+    JaxRun("mlp-adamw", seed=1).record(0).save(trj.FlaxMsgpackFileRecorder(trainrec.NativePrecisionSettings()),
+                                               template)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "trainrec", "convert", *map(str, args)],
+                              capture_output=True, text=True)
+
+    out = cli(pt, tmp_path / "dst.mpk", "--to", "jax", "--template", template, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["pending_gradients"] == 7  # every parameter of the model
+    expected = convert(src.record(K), JaxRun("mlp-adamw", seed=1).record(0))
+    got = TrainingRecord.load(trainrec.NamedMpkFileRecorder(), tmp_path / "dst.mpk")
+    r = NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())
+    assert got.save(r) == expected.save(r)
+    assert cli(pt, tmp_path / "same.mpk", "--to", "mpk").returncode == 0
+    diff = subprocess.run([sys.executable, "-m", "trainrec", "diff", str(pt), str(tmp_path / "same.mpk")])
+    assert diff.returncode == 0
+    refused = cli(pt, tmp_path / "x.mpk", "--to", "jax", "--template", pt)
+    assert refused.returncode == 2 and "template is a torch record" in refused.stderr
+    same_framework = cli(pt, tmp_path / "x.mpk", "--to", "torch", "--template", pt)
+    assert same_framework.returncode == 4 and "nothing to convert" in same_framework.stderr
+    ams = TorchRun("mlp-adamw")
+    ams.opt = torch.optim.Adam(ams.model.parameters(), amsgrad=True)
+    ams.train(0, 2, x, y)
+    ams.record(2).save(trt.TorchFileRecorder(), tmp_path / "ams.pt")
+    bad = cli(tmp_path / "ams.pt", tmp_path / "y.mpk", "--to", "jax", "--template", template)
+    assert bad.returncode == 4 and "AMSGrad" in bad.stderr and not (tmp_path / "y.mpk").exists()
+
+
+def test_batchnorm_running_stats_and_scheduler_position_are_carried():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(3, 4))
+    model.add_module("bn", nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    for _ in range(3):
+        model(torch.randn(5, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    record = via_file(TrainingRecord.capture(model, opt, sched, GradientsAccumulator(), S(3)))
+
+    class Net(fnn.Module):
+        @fnn.compact
+        def __call__(self, x, train=True):
+            return fnn.BatchNorm(use_running_average=not train, name="bn")(fnn.Dense(4, name="fc")(x))
+
+    variables = Net().init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
+    tx = optax.adamw(0.1)
+    template = TrainingRecord.capture(trj.JaxModule(variables), trj.JaxOptimizer(tx, tx.init(variables["params"])),
+                                      trj.JaxLrScheduler(optax.constant_schedule(0.1)), GradientsAccumulator(), S(0))
+    out = convert(record, template)
+    item = out.model.item
+    np.testing.assert_array_equal(item["batch_stats.bn.mean"].array, model.bn.running_mean.numpy())
+    np.testing.assert_array_equal(item["batch_stats.bn.var"].array, model.bn.running_var.numpy())
+    np.testing.assert_array_equal(item["params.bn.scale"].array, model.bn.weight.detach().numpy())
+    assert out.scheduler.item == {"count": 3}  # torch's last_epoch
+    assert int(out.optimizer.item["0.count"].array) == 3
+
+
+def test_per_parameter_step_counts_that_disagree_are_refused():
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, 2, x, y)
+    item = src.record(2).into_item(trainrec.NativePrecisionSettings())
+    first = next(iter(item[1]["state"]["state"].values()))
+    first["step"] = trainrec.TensorData.from_array(np.asarray(7.0, np.float32))
+    record = TrainingRecord.from_item(item, state_type=S)
+    with pytest.raises(ConversionError, match="per-parameter step counts disagree"):
+        convert(record, JaxRun("mlp-adamw").record(0))
