@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trainrec import read_file
-from trainrec.demo import checkpoint_path
+from trainrec.demo import checkpoint_path, compare_items
 
 STEPS, WINDOW = 12, 4
 
@@ -59,3 +59,15 @@ def continuation_results(backend: str, cases: list[tuple[str, int, str]],
     run_all(list(resumes.values()), env)
     refs = {v: read_file(tmp / f"{v}-ref.mpk")[1] for v in variants}
     return {key: (refs[key[0]], read_file(c[c.index("--out") + 1])[1]) for key, c in resumes.items()}
+
+
+def assert_exact(results: dict, key: tuple) -> None:
+    reference, resumed = results[key]
+    exact, diff, paths = compare_items(reference, resumed)
+    assert exact, f"{key}: differs at {paths[:5]} (max {diff})"
+
+
+def assert_detects_dropped_pending(results: dict, key: tuple) -> None:
+    reference, resumed = results[key]
+    exact, diff, _ = compare_items(reference, resumed)
+    assert not exact and diff > 0, f"{key}: a resume without the pending gradients went unnoticed"

@@ -165,36 +165,22 @@ def assert_params_close(record_a, record_b):
         np.testing.assert_allclose(a[k].array, b[k].array, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.parametrize("direction", ["torch->jax", "jax->torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_torch_to_jax_continues_the_same_run(case):
+def test_conversion_continues_the_same_run(case, direction):
+    first, second = (TorchRun, JaxRun) if direction == "torch->jax" else (JaxRun, TorchRun)
     x, y = batches(case)
-    ref = TorchRun(case)
+    ref = first(case)
     ref.train(0, K + M, x, y)
-    src = TorchRun(case)
+    src = first(case)
     src.train(0, K, x, y)
-    dst = JaxRun(case, seed=1)
+    dst = second(case, seed=1)
     converted = convert(via_file(src.record(K)), dst.record(0))
     assert converted.grads.grads, "the pending gradient is carried over"
     dst.restore(via_file(converted))
     dst.train(K, K + M, x, y)
     np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
-    back = convert(dst.record(K + M), TorchRun(case, seed=2).record(0))  # compare in torch layout
-    assert_params_close(back, ref.record(K + M))
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_jax_to_torch_continues_the_same_run(case):
-    x, y = batches(case)
-    ref = JaxRun(case)
-    ref.train(0, K + M, x, y)
-    src = JaxRun(case)
-    src.train(0, K, x, y)
-    dst = TorchRun(case, seed=1)
-    converted = convert(via_file(src.record(K)), dst.record(0))
-    dst.restore(via_file(converted))
-    dst.train(K, K + M, x, y)
-    np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
-    back = convert(dst.record(K + M), JaxRun(case, seed=2).record(0))
+    back = convert(dst.record(K + M), first(case, seed=2).record(0))  # compare in the first layout
     assert_params_close(back, ref.record(K + M))
 
 

@@ -12,7 +12,12 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-from continuation import WINDOW, continuation_results  # noqa: E402
+from continuation import (  # noqa: E402
+    WINDOW,
+    assert_detects_dropped_pending,
+    assert_exact,
+    continuation_results,
+)
 
 from trainrec.demo import compare_items  # noqa: E402
 
@@ -30,16 +35,12 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize(("variant", "position", "recorder"), CASES)
 def test_jax_resume_in_a_fresh_process_is_bitwise_identical(results, variant, position, recorder):
-    reference, resumed = results[(variant, position, recorder)]
-    exact, diff, paths = compare_items(reference, resumed)
-    assert exact, f"differs at {paths[:5]} (max {diff})"
+    assert_exact(results, (variant, position, recorder))
 
 
 @pytest.mark.parametrize(("variant", "position"), NO_PENDING)
 def test_jax_resume_without_pending_gradients_differs(results, variant, position):
-    reference, resumed = results[(variant, position, "drop")]
-    exact, diff, _ = compare_items(reference, resumed)
-    assert not exact and diff > 0
+    assert_detects_dropped_pending(results, (variant, position, "drop"))
 
 
 @pytest.mark.cuda
