@@ -271,15 +271,18 @@ def _convert(args: argparse.Namespace) -> int:
     from .training import TrainingRecord
 
     try:
-        header, item = read_file(args.src)
+        header, item = read_file(args.src, mmap=True)  # NamedMpk sources stream from the map
         if args.to == "mpk":
             total = sum(1 for _ in iter_tensors(item))
             count = [0]
 
             def tick(_: str, t: TensorData) -> TensorData:
-                count[0] += 1
-                _progress(count[0], total, "writing")
-                return t
+                def read() -> Any:
+                    count[0] += 1
+                    _progress(count[0], total, "writing")
+                    return t.read()
+
+                return TensorData(t.dtype, t.shape, read)  # counts as the writer reaches it
 
             _recorder_for(args.dst).save_item(map_tensors(item, tick), args.dst, header.record_type)
             summary: dict[str, Any] = {"dst": args.dst, "record": header.record_type, "tensors": total}

@@ -193,10 +193,16 @@ def _match_params(source: dict[str, TensorData], target: dict[str, TensorData], 
 
 
 def _apply(t: TensorData, transform: str, like: TensorData | None = None) -> TensorData:
-    arr = np.ascontiguousarray(TRANSFORMS[transform](t.array))
-    if like is not None and like.dtype is not t.dtype:
-        arr = arr.astype(like.dtype.numpy)
-    return TensorData.from_array(arr)
+    """`t` transformed (and cast to `like`'s dtype), lazily: the work happens when the
+    tensor is read, so a writer streams a conversion tensor by tensor."""
+    dtype = like.dtype if like is not None else t.dtype
+    shape = tuple(TRANSFORMS[transform](np.empty(t.shape, np.uint8)).shape)
+
+    def load() -> np.ndarray[Any, Any]:
+        arr = np.ascontiguousarray(TRANSFORMS[transform](t.read()))
+        return arr.astype(dtype.numpy) if arr.dtype != dtype.numpy else arr
+
+    return TensorData(dtype, shape, load)
 
 
 # -- optimizers -----------------------------------------------------------------------------
@@ -292,7 +298,7 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
                 break
         else:
             if key.endswith("count") and isinstance(like, TensorData):
-                out[key] = TensorData.from_array(np.asarray(n.step, like.dtype.numpy))
+                out[key] = TensorData.from_array(np.asarray(n.step, like.dtype.numpy))  # 0-d
             else:
                 out[key] = like  # hyperparameters and empty states: the target's own
     if problems:
@@ -409,7 +415,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
         if pid not in inverse_src:
             raise ConversionError(f"pending gradient {pid} has no target parameter")
         target_name, tr = inverse_src[pid]
-        grads[target_name] = TensorData.from_array(np.ascontiguousarray(TRANSFORMS[tr](g.array)))
+        grads[target_name] = _apply(g, tr)
     whole = source.into_item(_native())
     assert isinstance(whole, list)
     state_item = _drop_rng(whole[4], drop_rng)

@@ -106,7 +106,7 @@ class _Writer:
             self.value(item)
 
     def tensor(self, t: TensorData) -> None:
-        flat = t.array.reshape(-1).view(np.uint8)
+        flat = t.read().reshape(-1).view(np.uint8)
         n = flat.nbytes
         self.raw(self._packer.pack_map_header(5))
         self.value(TENSOR_KEY)

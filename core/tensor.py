@@ -94,6 +94,16 @@ class TensorData:
             self._array, self._loader = arr, None
         return self._array
 
+    def read(self) -> np.ndarray[Any, Any]:
+        """The values, like `array`, but a lazy tensor that has not been read keeps not
+        holding them afterwards: streaming writers read each tensor once, then drop it."""
+        if self._array is not None:
+            return self._array
+        assert self._loader is not None
+        arr = self._loader()
+        arr.flags.writeable = False
+        return arr
+
     def to_bytes(self) -> bytes:
         """The little-endian C-order bytes."""
         return self.array.tobytes()
@@ -103,7 +113,7 @@ class TensorData:
         if dtype is self._dtype:
             return self
         with np.errstate(all="ignore"):  # lossy casts are allowed here; save() checks first
-            converted = self.array.astype(dtype.numpy)
+            converted = self.read().astype(dtype.numpy)
         return TensorData.from_array(converted, copy=False)
 
     def bitwise_equal(self, other: TensorData) -> bool:

@@ -337,3 +337,23 @@ def test_per_parameter_step_counts_that_disagree_are_refused():
     record = TrainingRecord.from_item(item, state_type=S)
     with pytest.raises(ConversionError, match="per-parameter step counts disagree"):
         convert(record, JaxRun("mlp-adamw").record(0))
+
+
+def test_conversion_streams_tensor_by_tensor(tmp_path):
+    """Converted tensors are computed when the writer reaches them, from a mapped source,
+    and neither side keeps them: peak memory is about one tensor, not the record."""
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, K, x, y)
+    path = src.record(K).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()),
+                              tmp_path / "src.mpk")
+    source = TrainingRecord.load(trainrec.NamedMpkFileRecorder(), path, mmap=True, state_type=S)
+    out = convert(source, JaxRun("mlp-adamw", seed=1).record(0))
+    lazy = [t for t in out.model.item.values() if isinstance(t, trainrec.TensorData)]
+    assert lazy and not any(t.is_loaded for t in lazy)
+    out.save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "dst.mpk")
+    assert not any(t.is_loaded for t in lazy)
+    assert not any(t.is_loaded for t in source.model.item["tensors"].values())
+    expected = convert(src.record(K), JaxRun("mlp-adamw", seed=1).record(0))
+    r = NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())
+    assert TrainingRecord.load(trainrec.NamedMpkFileRecorder(), tmp_path / "dst.mpk").save(r) == expected.save(r)

@@ -294,12 +294,10 @@ def test_failed_save_leaves_the_existing_file_and_no_temp(tmp_path):
     NamedMpkFileRecorder().save_item({"v": 1}, path)
     before = path.read_bytes()
 
-    class Boom(TensorData):
-        @property
-        def array(self):
-            raise RuntimeError("device lost mid-save")
+    def lost():
+        raise RuntimeError("device lost mid-save")
 
-    bad = Boom(DType.F32, (3,), lambda: np.zeros(3, np.float32))
+    bad = TensorData(DType.F32, (3,), lost)
     with pytest.raises(RuntimeError, match="device lost"):
         NamedMpkFileRecorder().save_item({"a": TensorData.from_array(np.ones(9)), "b": bad}, path)
     assert path.read_bytes() == before
