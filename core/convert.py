@@ -52,6 +52,7 @@ import numpy as np
 from .errors import RecorderError
 from .gradients import GradientsParamsRecord
 from .items import Item, check_item
+from .precision import NativePrecisionSettings
 from .records import StateRecord
 from .tensor import TensorData
 from .training import TrainingRecord
@@ -416,7 +417,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
             raise ConversionError(f"pending gradient {pid} has no target parameter")
         target_name, tr = inverse_src[pid]
         grads[target_name] = _apply(g, tr)
-    whole = source.into_item(_native())
+    whole = source.into_item(NativePrecisionSettings())
     assert isinstance(whole, list)
     state_item = _drop_rng(whole[4], drop_rng)
     return TrainingRecord(
@@ -428,8 +429,3 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
         None,
     )
 
-
-def _native() -> Any:
-    from .precision import NativePrecisionSettings
-
-    return NativePrecisionSettings()

@@ -127,7 +127,16 @@ def checkpoint_path(base: Path, at: int, recorder: str) -> Path:
     return base.with_name(f"{base.name}-{at}-{recorder}")
 
 
-def _train(workload: Workload, parts: Parts, until: int, window: int) -> None:
+class Steps(Protocol):
+    """The part of a `Workload` (or conformance `Harness`) that trains."""
+
+    def micro_step(self, parts: Parts) -> None: ...
+    def apply_window(self, parts: Parts, window: int) -> None: ...
+
+
+def train_until(workload: Steps, parts: Parts, until: int, window: int) -> None:
+    """Micro-steps until `parts.state.micro == until`, stepping the optimizer at the end of
+    every window of `window` micro-steps."""
     while parts.state.micro < until:
         workload.micro_step(parts)
         parts.state.micro += 1
@@ -181,13 +190,13 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     final = NamedMpkFileRecorder(NativePrecisionSettings())
 
     if a.role == "reference":
-        _train(workload, parts, a.steps, a.window)
+        train_until(workload, parts, a.steps, a.window)
         _capture(workload, parts).save(final, a.out)
         return 0
     if a.role in ("checkpoint", "train"):
         several = len(a.at) > 1 or len(a.recorder) > 1
         for at in sorted(a.at):
-            _train(workload, parts, at, a.window)
+            train_until(workload, parts, at, a.window)
             for name in a.recorder:
                 path = checkpoint_path(a.checkpoint, at, name) if several else a.checkpoint
                 t0 = time.perf_counter()
@@ -195,7 +204,7 @@ def run_role(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps({"checkpointed": at, "recorder": name,
                                   "save_s": time.perf_counter() - t0}), flush=True)
         if a.role == "train":
-            _train(workload, parts, a.steps, a.window)
+            train_until(workload, parts, a.steps, a.window)
             while True:  # wait to be killed, as a training job would be
                 time.sleep(0.05)
         return 0
@@ -206,7 +215,7 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     parts.state = restored.state
     parts.accumulator = GradientsAccumulator() if a.drop_pending else restored.accumulator
     workload.after_restore(parts)
-    _train(workload, parts, a.steps, a.window)
+    train_until(workload, parts, a.steps, a.window)
     _capture(workload, parts).save(final, a.out)
     print(json.dumps({"load_s": load_s, "resumed_at": record.state.micro}), flush=True)
     return 0

@@ -16,7 +16,7 @@ from .accumulator import GradientsAccumulator
 from .errors import CorruptRecordError, LossyPrecisionError, RecorderError, RecordMismatchError
 from .gradients import GradientsParamsRecord
 from .items import Item, check_item
-from .precision import NativePrecisionSettings, first_lossy
+from .precision import NativePrecisionSettings, convert_item, first_lossy
 from .protocols import AutodiffModule, PrecisionSettings, Recorder
 from .records import StateRecord
 from .registry import adapt_module, adapt_optimizer, adapt_scheduler
@@ -131,8 +131,6 @@ class TrainingRecord(Generic[U]):
 
     def into_item(self, settings: PrecisionSettings) -> Item:
         """The record as a 5-item list: model, optimizer, scheduler, grads, state."""
-        from .precision import convert_item
-
         return [
             self.model.into_item(settings),
             self.optimizer.into_item(settings),

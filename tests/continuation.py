@@ -71,3 +71,9 @@ def assert_detects_dropped_pending(results: dict, key: tuple) -> None:
     reference, resumed = results[key]
     exact, diff, _ = compare_items(reference, resumed)
     assert not exact and diff > 0, f"{key}: a resume without the pending gradients went unnoticed"
+
+
+def assert_all(results: dict) -> None:
+    """Every resume exact, every resume without pending gradients detected."""
+    for key in results:
+        (assert_detects_dropped_pending if key[2] == "drop" else assert_exact)(results, key)

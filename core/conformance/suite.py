@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from ..accumulator import GradientsAccumulator
-from ..demo import checkpoint_path, compare_items, recorders_for
+from ..demo import checkpoint_path, compare_items, recorders_for, train_until
 from ..dtypes import DType, FloatDType
 from ..errors import LossyPrecisionError, RecorderError
 from ..gradients import GradientsParams, GradientsParamsRecord
@@ -70,11 +70,7 @@ def _snapshot(h: Harness, parts: Parts) -> bytes:
 
 
 def _run(h: Harness, parts: Parts, micro_steps: int) -> None:
-    for _ in range(micro_steps):
-        h.micro_step(parts)
-        parts.state.micro += 1
-        if parts.state.micro % h.window == 0:
-            h.apply_window(parts, h.window)
+    train_until(h, parts, parts.state.micro + micro_steps, h.window)
 
 
 def _save(recorder: Recorder, record: Any, tmp: Path) -> Any:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..demo import train_until
 from ..dtypes import DType
 from ..items import Item
 from ..precision import (
@@ -76,11 +77,7 @@ def _training_record() -> Any:
     random.seed(0)
     np.random.seed(0)
     parts = h.build(0)
-    for _ in range(6):  # one window of 4 applied, 2 gradients pending
-        h.micro_step(parts)
-        parts.state.micro += 1
-        if parts.state.micro % 4 == 0:
-            h.apply_window(parts, 4)
+    train_until(h, parts, 6, 4)  # one window of 4 applied, 2 gradients pending
     h.before_capture(parts)
     from ..training import TrainingRecord
 
