@@ -9,13 +9,13 @@ and check that map, so every such recorder validates the same way.
 from __future__ import annotations
 
 import os
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ._version import __version__
+from .checksum import crc32
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .format import Header
 from .items import Item, iter_tensors
@@ -61,9 +61,21 @@ def parse_header(doc: dict[str, Any], fmt: str, major: int, source: str) -> Head
     return Header(fmt, (version[0], version[1]), str(doc.get("trainrec", "")), precision, record)
 
 
+def reserve_bytes(item: Item, settings: PrecisionSettings) -> int:
+    """A file size to reserve before writing `item` in an envelope format: the tensor bytes
+    under `settings` plus room for the container's framing (4 KiB a tensor, 1 MiB more)."""
+    total = 1 << 20
+    for _, t in iter_tensors(item):
+        count = 1
+        for d in t.shape:
+            count *= d
+        total += count * settings.target(t.dtype).itemsize + 4096
+    return total
+
+
 def crc_of(t: TensorData) -> int:
     """CRC-32 of a tensor's little-endian C-order bytes."""
-    return zlib.crc32(t.array.reshape(-1).view(np.uint8).data)
+    return crc32(t.array.reshape(-1).view(np.uint8).data)
 
 
 def verify_checksums(item: Item, checksums: Any, source: str) -> None:

@@ -11,7 +11,6 @@ zero-copy numpy views into that buffer.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import msgpack
 import numpy as np
 
 from ._version import __version__
+from .checksum import crc32
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .items import TENSOR_KEY, Item, check_item, join_key
@@ -34,6 +34,7 @@ __all__ = [
     "ALIGNMENT",
     "Header",
     "write_document",
+    "document_size_bound",
     "read_document",
     "Limits",
 ]
@@ -74,10 +75,16 @@ class _Sink(Protocol):
 
 
 class _Writer:
-    def __init__(self, out: _Sink, settings: PrecisionSettings) -> None:
+    """Writes a document to `out`. `dry`: writes only the structure, with every checksum
+    at its longest encoding and payloads counted, never read, so `pos` ends at an upper
+    bound of the real document's size (alignment padding only shrinks with shorter
+    checksums)."""
+
+    def __init__(self, out: _Sink, settings: PrecisionSettings, dry: bool = False) -> None:
         self._out = out
         self._settings = settings
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+        self._dry = dry
         self.pos = 0
         self.crc = 0
 
@@ -85,14 +92,21 @@ class _Writer:
         """Structure bytes: counted into the running structure checksum."""
         self._out.write(data)
         self.pos += len(data)
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
 
     def value(self, v: object) -> None:
         self.raw(self._packer.pack(v))
 
+    def checksum(self, crc: int) -> None:
+        self.value(_LONGEST_CRC if self._dry else crc)
+
     def item(self, item: Item) -> None:
         if isinstance(item, TensorData):
-            self.tensor(convert_tensor(item, self._settings))
+            if self._dry:
+                self.tensor(self._settings.target(item.dtype), item.shape, None)
+            else:
+                t = convert_tensor(item, self._settings)
+                self.tensor(t.dtype, t.shape, t.read().reshape(-1).view(np.uint8))
         elif isinstance(item, dict):
             self.raw(self._packer.pack_map_header(len(item)))
             for k, v in item.items():
@@ -105,14 +119,13 @@ class _Writer:
         else:
             self.value(item)
 
-    def tensor(self, t: TensorData) -> None:
-        flat = t.read().reshape(-1).view(np.uint8)
-        n = flat.nbytes
+    def tensor(self, dtype: DType, shape: tuple[int, ...], flat: np.ndarray[Any, Any] | None) -> None:
+        n = _numel(shape) * dtype.itemsize if flat is None else flat.nbytes
         self.raw(self._packer.pack_map_header(5))
         self.value(TENSOR_KEY)
-        self.value(t.dtype.value)
+        self.value(dtype.value)
         self.value("shape")
-        self.value(list(t.shape))
+        self.value(list(shape))
         chunks = [(i, min(n, i + CHUNK_BYTES)) for i in range(0, n, CHUNK_BYTES)] or [(0, 0)]
         tail = self._packer.pack("data")
         if n > CHUNK_BYTES:
@@ -122,6 +135,11 @@ class _Writer:
         self.value("pad")
         self.raw(b"\xc4" + bytes([pad_len]) + bytes(pad_len))
         self.raw(tail)
+        if flat is None:
+            self.pos += n + 5 * (len(chunks) - 1)
+            self.value("crc")
+            self.checksum(0)
+            return
         views = [flat[a:b].data for a, b in chunks]
         # the checksum runs on a worker thread while this one writes (both release the GIL)
         pending = _crc_pool().submit(_crc_all, views) if n >= _PARALLEL_CRC_BYTES else None
@@ -132,7 +150,22 @@ class _Writer:
             self.pos += view.nbytes
         crc = pending.result() if pending is not None else _crc_all(views)
         self.value("crc")
-        self.value(crc)
+        self.checksum(crc)
+
+
+_LONGEST_CRC = 0xFFFFFFFF
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
+class _Counter:
+    def write(self, data: Any, /) -> int:
+        return memoryview(data).nbytes
 
 
 _PARALLEL_CRC_BYTES = 1 << 20
@@ -150,7 +183,7 @@ def _crc_pool() -> ThreadPoolExecutor:
 def _crc_all(views: list[memoryview]) -> int:
     crc = 0
     for v in views:
-        crc = zlib.crc32(v, crc)
+        crc = crc32(v, crc)
     return crc
 
 
@@ -165,7 +198,20 @@ def write_document(
     `settings` say while it is written. Raises `CorruptRecordError` for a malformed item
     before anything is written."""
     check_item(item)
-    w = _Writer(out, settings)
+    _write(_Writer(out, settings), item, settings, record_type)
+
+
+def document_size_bound(item: Item, settings: PrecisionSettings, record_type: str) -> int:
+    """An upper bound of the size of the document `write_document` writes for `item`,
+    computed without reading or converting any tensor. It is exact but for checksums,
+    counted at their longest msgpack encoding (5 bytes)."""
+    check_item(item)
+    w = _Writer(_Counter(), settings, dry=True)
+    _write(w, item, settings, record_type)
+    return w.pos
+
+
+def _write(w: _Writer, item: Item, settings: PrecisionSettings, record_type: str) -> None:
     w.raw(b"\x88")
     w.value("format")
     w.value(FORMAT_NAME)
@@ -185,13 +231,13 @@ def write_document(
     w.value(record_type)
     header_crc = w.crc
     w.value("header_crc")
-    w.value(header_crc)
+    w.checksum(header_crc)
     w.value("item")
     w.crc = 0
     w.item(item)
     item_crc = w.crc
     w.value("item_crc")
-    w.value(item_crc)
+    w.checksum(item_crc)
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -385,7 +431,7 @@ class _Parser:
             while at < end:
                 upto = min(end, at + _CRC_PIECE)
                 self.need(upto, key)
-                got = zlib.crc32(self.mv[at:upto], got)
+                got = crc32(self.mv[at:upto], got)
                 at = upto
         if got != crc:
             raise ChecksumError(
@@ -408,7 +454,7 @@ class _Parser:
             if not verified:
                 got = 0
                 for s in spans:
-                    got = zlib.crc32(mv[s.offset : s.offset + s.length], got)
+                    got = crc32(mv[s.offset : s.offset + s.length], got)
             if got != crc:
                 raise ChecksumError(
                     f"tensor checksum mismatch (stored {crc:#010x}, computed {got:#010x})",
@@ -431,9 +477,9 @@ class _Parser:
     def structure_crc(self, start: int, end: int) -> int:
         crc, at = 0, start
         for s in self.spans:
-            crc = zlib.crc32(self.mv[at : s.offset], crc)
+            crc = crc32(self.mv[at : s.offset], crc)
             at = s.offset + s.length
-        return zlib.crc32(self.mv[at:end], crc)
+        return crc32(self.mv[at:end], crc)
 
 
 def read_document(
@@ -505,7 +551,7 @@ def _read_header(p: _Parser) -> Header:
             raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
         if k == "header_crc":
             stored = p.value(k, 1)
-            computed = zlib.crc32(p.mv[:key_start])
+            computed = crc32(p.mv[:key_start])
             if stored != computed:
                 raise ChecksumError(
                     f"header checksum mismatch (stored {stored!r}, computed {computed:#010x})",

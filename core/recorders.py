@@ -19,7 +19,7 @@ import numpy as np
 
 from .envelope import path_arg
 from .errors import CorruptRecordError, FileMissingError, RecorderError, RecordMismatchError
-from .format import ALIGNMENT, Header, read_document, write_document
+from .format import ALIGNMENT, Header, document_size_bound, read_document, write_document
 from .items import Item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
@@ -108,7 +108,8 @@ class NamedMpkFileRecorder(RecorderBase):
         from ._atomic import atomic_write
 
         path = path_arg(args)
-        with atomic_write(path, durable=self._durable) as f:
+        size = document_size_bound(item, self._settings, record_type)
+        with atomic_write(path, durable=self._durable, size_hint=size) as f:
             write_document(f, item, self._settings, record_type)
         return path
 

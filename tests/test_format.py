@@ -351,3 +351,28 @@ def test_mmap_verify_checks_every_tensor_now_and_durable_false_still_replaces_at
     with pytest.raises(ChecksumError):
         fast.load_item(path, mmap=True, verify=True)
     assert [p.name for p in tmp_path.iterdir()] == ["v.mpk"]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.name)
+@pytest.mark.parametrize("chunk", [fmt.CHUNK_BYTES, 1000])
+def test_size_bound_is_an_upper_bound_within_the_checksum_encodings(settings, chunk, monkeypatch):
+    monkeypatch.setattr(fmt, "CHUNK_BYTES", chunk)
+    rng = np.random.default_rng(5)
+    item = item_with_all()
+    item["big"] = TensorData.from_array(rng.standard_normal(1001))
+    item["many"] = [TensorData.from_array(rng.standard_normal(i)) for i in range(40)]
+    n_tensors = sum(1 for _ in trainrec.items.iter_tensors(item))
+    out = io.BytesIO()
+    fmt.write_document(out, item, settings, "Item")
+    bound = fmt.document_size_bound(item, settings, "Item")
+    # each tensor's crc and the two structure crcs are counted at 5 bytes
+    assert len(out.getvalue()) <= bound <= len(out.getvalue()) + 4 * (n_tensors + 2)
+
+
+def test_size_bound_reads_no_tensor():
+    def never() -> np.ndarray:
+        raise AssertionError("read")
+
+    lazy = TensorData(DType.F32, (1000, 1000), never)
+    bound = fmt.document_size_bound({"w": lazy}, FullPrecisionSettings(), "Item")
+    assert 4_000_000 < bound < 4_000_400  # the header (~200 B), the pad (< 64 B), the tensor framing

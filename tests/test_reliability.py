@@ -413,3 +413,79 @@ def test_adapter_recorders_refuse_unknown_major_versions(tmp_path):
     fl.write_bytes(msgpack.packb(doc))
     with pytest.raises(trainrec.UnsupportedVersionError, match="9.1"):
         jax_adapter.FlaxMsgpackFileRecorder().load_item(fl)
+
+
+def _fallocate_works(directory: Path) -> bool:
+    from trainrec import _atomic
+
+    if _atomic._fallocate is None:
+        return False
+    probe = directory / "probe"
+    with open(probe, "wb") as f:
+        ok = _atomic._fallocate(f.fileno(), 1, 0, 1 << 20) == 0
+    probe.unlink()
+    return ok
+
+
+def test_a_save_reserves_its_payload_before_writing(tmp_path):
+    if not _fallocate_works(tmp_path):
+        pytest.skip("this filesystem has no fallocate")
+    from trainrec import _atomic
+
+    with _atomic.atomic_write(tmp_path / "ckpt", size_hint=8 << 20) as f:
+        st = os.fstat(f.fileno())
+        assert (st.st_size, st.st_blocks * 512 >= 8 << 20) == (0, True)
+        f.write(b"x" * 100)
+    assert (tmp_path / "ckpt").read_bytes() == b"x" * 100
+    assert os.stat(tmp_path / "ckpt").st_blocks * 512 <= 64 << 10  # the unused rest was freed
+    item = {"w": TensorData.from_array(np.arange(3 << 20, dtype=np.float32)), "step": 3}
+    path = NamedMpkFileRecorder(durable=False).save_item(item, tmp_path / "a.mpk")
+    assert path.read_bytes() == NamedMpkBytesRecorder().save_item(item)
+    assert os.stat(path).st_blocks * 512 < path.stat().st_size + (64 << 10)
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT"])
+def test_a_disk_without_room_fails_before_writing_and_keeps_the_old_file(tmp_path, monkeypatch, code):
+    import ctypes
+    import errno
+
+    from trainrec import _atomic
+
+    path = tmp_path / "ckpt.mpk"
+    old = {"w": TensorData.from_array(np.ones(10, np.float32))}
+    NamedMpkFileRecorder().save_item(old, path)
+    before = path.read_bytes()
+    calls = []
+
+    def full_disk(fd, mode, offset, length):
+        calls.append(length)
+        ctypes.set_errno(getattr(errno, code))
+        return -1
+
+    monkeypatch.setattr(_atomic, "_fallocate", full_disk)
+    written = []
+    real_write = trainrec.format.write_document
+    monkeypatch.setattr(trainrec.recorders, "write_document",
+                        lambda *a, **k: written.append(1) or real_write(*a, **k))
+    big = {"w": TensorData.from_array(np.zeros(1 << 20, np.float32))}
+    with pytest.raises(RecorderError, match=r"needs at least \d+ bytes"):
+        NamedMpkFileRecorder().save_item(big, path)
+    assert len(calls) == 1 and 4 << 20 < calls[0] < (4 << 20) + 1024 and written == []
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.mpk"]
+
+
+def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch):
+    import ctypes
+    import errno
+
+    from trainrec import _atomic
+
+    def unsupported(fd, mode, offset, length):
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+    monkeypatch.setattr(_atomic, "_fallocate", unsupported)
+    item = {"w": TensorData.from_array(np.arange(1 << 16, dtype=np.float32))}
+    path = NamedMpkFileRecorder().save_item(item, tmp_path / "a.mpk")
+    np.testing.assert_array_equal(NamedMpkFileRecorder().load_item(path)["w"].array, item["w"].array)

@@ -28,7 +28,14 @@ from trainrec import (
     TensorData,
 )
 from trainrec._atomic import atomic_write
-from trainrec.envelope import crc_of, header_fields, parse_header, path_arg, verify_checksums
+from trainrec.envelope import (
+    crc_of,
+    header_fields,
+    parse_header,
+    path_arg,
+    reserve_bytes,
+    verify_checksums,
+)
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
@@ -87,7 +94,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             else:
                 f.write(packer.pack(node))
 
-        with atomic_write(path) as f:
+        with atomic_write(path, size_hint=reserve_bytes(item, s)) as f:
             f.write(packer.pack_map_header(len(header) + 2))
             for k, v in header.items():
                 f.write(packer.pack(k))

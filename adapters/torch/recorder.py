@@ -27,7 +27,14 @@ from trainrec import (
     TensorData,
 )
 from trainrec._atomic import atomic_write
-from trainrec.envelope import crc_of, header_fields, parse_header, path_arg, verify_checksums
+from trainrec.envelope import (
+    crc_of,
+    header_fields,
+    parse_header,
+    path_arg,
+    reserve_bytes,
+    verify_checksums,
+)
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
@@ -98,7 +105,7 @@ class TorchFileRecorder(RecorderBase):
 
         doc = {**header_fields(FORMAT, VERSION, self.settings, record_type),
                "item": convert(item, ""), "checksums": checksums}
-        with atomic_write(path) as f:
+        with atomic_write(path, size_hint=reserve_bytes(item, self.settings)) as f:
             torch.save(doc, f)
         return path
 
