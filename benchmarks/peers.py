@@ -26,16 +26,21 @@ def _torch_views(item: Any) -> State:
         return {k: torch.from_numpy(t.array) for k, t in item.items()}
 
 
-def raw() -> tuple[Save, Load]:
+def raw(reserve: bool = False) -> tuple[Save, Load]:
     """The limit: the same bytes with one write each and one readinto (no fsync: none of
-    the peers fsyncs; trainrec's durable default is measured on its own row)."""
+    the peers fsyncs; trainrec's durable default is measured on its own row). `reserve`:
+    the file's blocks are allocated first, as trainrec's file recorders do."""
     import torch
+
+    from trainrec import _atomic
 
     layout: dict[str, tuple[int, int, Any, tuple[int, ...]]] = {}
 
     def save(state: State, path: Path) -> None:
         at = 0
         with open(path, "wb") as f:
+            if reserve:
+                _atomic._reserve(f.fileno(), sum(t.numel() * t.element_size() for t in state.values()))
             for k, t in state.items():
                 view = t.numpy().reshape(-1).view(np.uint8)
                 f.write(view.data)
@@ -131,6 +136,7 @@ def orbax_standard() -> tuple[Save, Load]:
 
 PEERS: dict[str, Callable[[], tuple[Save, Load]]] = {
     "raw write/readinto": raw,
+    "raw, blocks reserved first (fallocate)": lambda: raw(reserve=True),
     "trainrec DefaultRecorder (durable: fsync)": lambda: trainrec_recorder("default"),
     "trainrec NamedMpk durable=False": lambda: trainrec_recorder("nofsync"),
     "trainrec durable=False, mmap+verify load": lambda: trainrec_recorder("fast"),
