@@ -70,6 +70,10 @@ def trainrec_recorder(kind: str) -> tuple[Save, Load]:
         load_kw = {"mmap": True, "verify": True}
     elif kind == "gz":
         recorder = trainrec.NamedMpkGzFileRecorder()
+    elif kind == "flax":
+        from trainrec.adapters.jax.recorder import FlaxMsgpackFileRecorder
+
+        recorder = FlaxMsgpackFileRecorder()
     else:
         import trainrec.adapters.torch as trt
 
@@ -141,6 +145,7 @@ PEERS: dict[str, Callable[[], tuple[Save, Load]]] = {
     "trainrec NamedMpk durable=False": lambda: trainrec_recorder("nofsync"),
     "trainrec durable=False, mmap+verify load": lambda: trainrec_recorder("fast"),
     "trainrec TorchFileRecorder": lambda: trainrec_recorder("torch"),
+    "trainrec FlaxMsgpackFileRecorder": lambda: trainrec_recorder("flax"),
     "trainrec NamedMpkGzFileRecorder": lambda: trainrec_recorder("gz"),
     "torch.save/load(weights_only)": torch_pickle,
     "safetensors.torch": safetensors_torch,
