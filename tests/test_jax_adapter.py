@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -326,3 +327,28 @@ def test_flax_recorder_rejects_bad_files(tmp_path):
     (tmp_path / "e").write_bytes(bytes(raw))
     with pytest.raises(trainrec.ChecksumError):
         r.load_item(tmp_path / "e")
+
+
+@pytest.mark.parametrize("chunk", [2**30, 300_000])
+def test_large_arrays_are_streamed_as_the_bytes_msgpack_gives(tmp_path, monkeypatch, chunk):
+    """Arrays from 64 KiB on are written from their buffers; the file is byte-identical to
+    the one `msgpack.packb` builds, and flax reads it."""
+    serialization = pytest.importorskip("flax.serialization")
+    from trainrec.adapters.jax import recorder as mod
+
+    monkeypatch.setattr(mod, "MAX_CHUNK_SIZE", chunk)
+    rng = np.random.default_rng(0)
+    item = {"big": TensorData.from_array(rng.standard_normal((300, 257)).astype(np.float32)),
+            "bf16": TensorData.from_array(rng.standard_normal(70_000).astype(ml_dtypes.bfloat16)),
+            "edge": TensorData.from_array(np.arange(1 << 14, dtype=np.float32)),  # exactly 64 KiB
+            "small": TensorData.from_array(np.arange(5, dtype=np.int32)), "step": 3}
+    r = trj.FlaxMsgpackFileRecorder(NativePrecisionSettings())
+    streamed = r.save_item(item, tmp_path / "s.msgpack").read_bytes()
+    monkeypatch.setattr(mod, "_STREAM_BYTES", 1 << 62)
+    packed = r.save_item(item, tmp_path / "p.msgpack").read_bytes()
+    assert streamed == packed
+    theirs = serialization.msgpack_restore(streamed)["item"]
+    for k in ("big", "bf16", "edge", "small"):
+        assert np.asarray(theirs[k]).tobytes() == item[k].array.tobytes()
+    back = r.load_item(tmp_path / "s.msgpack")
+    assert back["bf16"].dtype is DType.BF16 and back["big"].array.tobytes() == item["big"].array.tobytes()
