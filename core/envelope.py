@@ -66,10 +66,7 @@ def reserve_bytes(item: Item, settings: PrecisionSettings) -> int:
     under `settings` plus room for the container's framing (4 KiB a tensor, 1 MiB more)."""
     total = 1 << 20
     for _, t in iter_tensors(item):
-        count = 1
-        for d in t.shape:
-            count *= d
-        total += count * settings.target(t.dtype).itemsize + 4096
+        total += t.numel * settings.target(t.dtype).itemsize + 4096
     return total
 
 

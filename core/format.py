@@ -10,6 +10,7 @@ zero-copy numpy views into that buffer.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -120,7 +121,7 @@ class _Writer:
             self.value(item)
 
     def tensor(self, dtype: DType, shape: tuple[int, ...], flat: np.ndarray[Any, Any] | None) -> None:
-        n = _numel(shape) * dtype.itemsize if flat is None else flat.nbytes
+        n = math.prod(shape) * dtype.itemsize if flat is None else flat.nbytes
         self.raw(self._packer.pack_map_header(5))
         self.value(TENSOR_KEY)
         self.value(dtype.value)
@@ -154,13 +155,6 @@ class _Writer:
 
 
 _LONGEST_CRC = 0xFFFFFFFF
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
 
 
 class _Counter:
