@@ -42,16 +42,18 @@ from benchmarks.state import parse_size, sizes, training_state
 SLOW = {"trainrec NamedMpkGzFileRecorder"}  # single repeat: gzip of random floats is slow
 
 
+def _once(fn: Callable[[], Any]) -> float:
+    """Seconds of one call; the page cache's dirty pages are flushed first (outside the
+    timing), so no row pays for the previous row's writeback."""
+    os.sync()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds; the page cache's dirty pages are flushed before each repeat (outside
-    the timing), so no row pays for the previous row's writeback."""
-    times = []
-    for _ in range(repeats):
-        os.sync()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of `repeats` calls."""
+    return statistics.median(_once(fn) for _ in range(repeats))
 
 
 def timed_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
@@ -59,14 +61,8 @@ def timed_pair(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tupl
     so both meet the same allocator and page-cache state (whichever runs first after the
     file rows would otherwise pay for reclaiming the page cache)."""
     a(), b()
-    ta, tb = [], []
-    for _ in range(repeats):
-        for fn, times in ((a, ta), (b, tb)):
-            os.sync()
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
+    pairs = [(_once(a), _once(b)) for _ in range(repeats)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def _drop(path: Path) -> None:

@@ -422,7 +422,7 @@ def _fallocate_works(directory: Path) -> bool:
         return False
     probe = directory / "probe"
     with open(probe, "wb") as f:
-        ok = _atomic._fallocate(f.fileno(), 1, 0, 1 << 20) == 0
+        ok = _atomic._fallocate(f.fileno(), _atomic._FALLOC_FL_KEEP_SIZE, 0, 1 << 20) == 0
     probe.unlink()
     return ok
 
