@@ -75,7 +75,8 @@ def atomic_write(path: Path, *, durable: bool = True, size_hint: int = 0) -> Ite
     try:
         f = os.fdopen(fd, "wb", buffering=1 << 20)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         os.close(fd)
         raise
     try:
@@ -170,11 +171,15 @@ def _claim(fd: int, tmp: str) -> bool:
 
 
 def _copy_access(fd: int, existing: os.stat_result) -> None:
-    """Give the temp file the existing target's group (where we may) and mode."""
-    if sys.platform != "win32" and os.fstat(fd).st_gid != existing.st_gid:
+    """Give the temp file the existing target's group (where we may) and mode. Where the
+    filesystem refuses, the file keeps its creation mode: the target's, narrowed by the
+    umask, so never wider than the target's."""
+    if sys.platform == "win32":
+        return
+    if os.fstat(fd).st_gid != existing.st_gid:
         with contextlib.suppress(PermissionError):
             os.fchown(fd, -1, existing.st_gid)
-    if sys.platform != "win32":
+    with contextlib.suppress(PermissionError, NotImplementedError):
         os.fchmod(fd, stat.S_IMODE(existing.st_mode) & 0o777)  # after fchown, which may clear bits
 
 

@@ -90,10 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(
-            backend=args.backend, steps=args.steps, window=args.window,
-            checkpoint_at=args.checkpoint_at, workdir=args.workdir, as_json=args.json,
-        )
+        try:
+            return run_demo(
+                backend=args.backend, steps=args.steps, window=args.window,
+                checkpoint_at=args.checkpoint_at, workdir=args.workdir, as_json=args.json,
+            )
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # e.g. --workdir names a file, or a place it cannot write
+            print(f"trainrec demo: {_message(e)}", file=sys.stderr)
+            return 3
     if args.command == "inspect":
         return _inspect(args.file, args.json)
     if args.command == "verify":
