@@ -177,11 +177,16 @@ def test_a_temp_file_a_cleaner_locked_first_is_not_used(tmp_path):
 def test_a_fifo_named_like_a_temp_file_does_not_block_a_save(tmp_path):
     fifo = tmp_path / _new_temp_name("ckpt")
     os.mkfifo(fifo)
-    signal.alarm(20)  # before the fix a cleaner opening it would wait forever
+    def blocked(*_):
+        raise TimeoutError("the save waited on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(20)  # a cleaner opening it without O_NONBLOCK would wait forever
     try:
         DefaultRecorder().save_item(ITEM, tmp_path / "ckpt")
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
