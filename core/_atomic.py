@@ -1,23 +1,37 @@
-"""Crash-safe file replacement: a save either lands whole or leaves the target untouched."""
+"""Crash-safe file replacement: a save either lands whole or leaves the target untouched.
+
+A save writes `.{stem}.{token}.trainrec-tmp` next to the target and renames it over
+the target. `stem` is the target's name, or for a name too long to leave room in
+NAME_MAX its start, `~` and a hash of the whole name; `token` is 12 random hex digits.
+So a temp file's name says which target it belongs to, and nothing else matches it.
+The writer holds an exclusive `flock` on its temp file from before its first byte to
+after the rename; the kernel drops the lock when the writer dies. A save deletes a
+leftover temp file of its own target only when it owns it and can take that lock.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
+import re
+import secrets
+import stat
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .errors import RecorderError
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+if sys.platform != "win32":
+    import fcntl
 
 TEMP_SUFFIX = ".trainrec-tmp"
+_TOKEN_HEX = 12
+_NAME_MAX = 255  # bytes, on every filesystem Linux and macOS commonly use
 
 
 @contextlib.contextmanager
@@ -26,39 +40,161 @@ def atomic_write(path: Path, *, durable: bool = True, size_hint: int = 0) -> Ite
     durably: flush, fsync, rename, fsync of the directory. On any exception the temp file
     is removed, `path` is unchanged and the error propagates (OSError as `RecorderError`).
 
+    A symlink at `path` is written through: its target gets the new contents and the
+    link stays. An existing target keeps its permission bits and, where the caller may
+    set it, its group; a new file gets `0o666` less the umask, as `open` would give it.
+    A target that exists but is not a regular file is refused.
+
     `size_hint`: about this many bytes will be written. They are reserved on disk first
     (Linux `fallocate`, without changing the file's size), so a disk without room fails
     before anything is written, and the writes skip the filesystem's delayed allocation:
     no per-page block reservation, and no flush of the whole file when the rename replaces
     an older one (ext4's auto_da_alloc). Reserved blocks the writes did not use are freed."""
-    directory = path.parent if str(path.parent) else Path(".")
-    _remove_orphans(directory, path.name)
+    target = _write_through_links(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    stem = _temp_stem(target.name)
     try:
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{path.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=directory
-        )
+        existing: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        existing = None
     except OSError as e:
-        raise RecorderError(f"cannot create a file next to the target: {e}", source=str(path)) from e
+        raise RecorderError(f"cannot save here: {e}", source=str(path)) from e
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        raise RecorderError(
+            "the target exists and is not a regular file; a save replaces a file, "
+            "never a directory, FIFO, device or socket", source=str(path))
+    _remove_orphans(directory, stem)
     try:
-        if size_hint > 0:
-            _reserve(fd, size_hint)
-        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            yield f
-            f.flush()
-            if size_hint > 0:
-                f.truncate()  # frees reserved blocks the writes did not use
-            if durable:
-                os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException as e:
+        fd, tmp = _create_temp(directory, stem, existing)
+    except OSError as e:
+        hint = ("; a save writes a new file in the target's directory and renames it over "
+                "the target, so it needs write permission on the directory, not only on the "
+                "file" if isinstance(e, PermissionError) else "")
+        raise RecorderError(f"cannot create a file next to the target: {e}{hint}",
+                            source=str(path)) from e
+    try:
+        f = os.fdopen(fd, "wb", buffering=1 << 20)
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise RecorderError(f"cannot write checkpoint: {e}", source=str(path)) from e
+        os.close(fd)
         raise
+    try:
+        with f:  # closed, and its lock released, only after the rename or the unlink
+            try:
+                if size_hint > 0:
+                    _reserve(fd, size_hint)
+                yield f
+                f.flush()
+                if size_hint > 0:
+                    f.truncate()  # frees reserved blocks the writes did not use
+                if durable:
+                    os.fsync(fd)
+                os.replace(tmp, target)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+    except OSError as e:
+        raise RecorderError(f"cannot write checkpoint: {e}", source=str(path)) from e
     if durable:
         _fsync_dir(directory)
+
+
+def _write_through_links(path: Path) -> Path:
+    """The file a save to `path` must replace: `path` itself, or, when `path` is a
+    symlink, the file it finally points to (which need not exist yet)."""
+    if not os.path.islink(path):
+        return path
+    target = Path(os.path.realpath(path))
+    if os.path.islink(target):
+        raise RecorderError("the symlink does not resolve (a loop)", source=str(path))
+    return target
+
+
+def _temp_stem(name: str) -> str:
+    """The part of a temp file's name that names its target, short enough that the
+    whole name fits NAME_MAX."""
+    room = _NAME_MAX - len(f"..{'0' * _TOKEN_HEX}{TEMP_SUFFIX}")
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = "~" + hashlib.blake2b(os.fsencode(name), digest_size=8).hexdigest()
+    keep = name
+    while len(os.fsencode(keep + digest)) > room:
+        keep = keep[:-1]
+    return keep + digest
+
+
+def _temp_name(stem: str) -> re.Pattern[str]:
+    return re.compile(re.escape(f".{stem}.") + f"[0-9a-f]{{{_TOKEN_HEX}}}" + re.escape(TEMP_SUFFIX))
+
+
+def _create_temp(directory: Path, stem: str, existing: os.stat_result | None) -> tuple[int, str]:
+    """A new temp file, open for writing and locked, and its path. Its mode is the
+    existing target's, or 0o666 less the umask (applied by the kernel)."""
+    mode = 0o666 if existing is None else stat.S_IMODE(existing.st_mode) & 0o777
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    flags |= getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        tmp = str(directory / f".{stem}.{secrets.token_hex(_TOKEN_HEX // 2)}{TEMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, flags, mode)
+        except FileExistsError:
+            continue
+        try:
+            claimed = _claim(fd, tmp)
+            if claimed and existing is not None:
+                _copy_access(fd, existing)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            os.close(fd)
+            raise
+        if claimed:
+            return fd, tmp
+        os.close(fd)  # a cleaner took it in the instant before our lock: it deletes it
+    raise FileExistsError(errno.EEXIST, "no free temporary file name after 100 tries")
+
+
+def _claim(fd: int, tmp: str) -> bool:
+    """Lock our new temp file; False when a cleaner locked (and so deletes) it first.
+    Cleaners unlink before they unlock, so a file still at its name once we hold the
+    lock is ours for the whole write."""
+    if _lock(fd) is False:
+        return False
+    try:
+        linked = os.stat(tmp, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (linked.st_dev, linked.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _copy_access(fd: int, existing: os.stat_result) -> None:
+    """Give the temp file the existing target's group (where we may) and mode. Where the
+    filesystem refuses, the file keeps its creation mode: the target's, narrowed by the
+    umask, so never wider than the target's."""
+    if sys.platform == "win32":
+        return
+    if os.fstat(fd).st_gid != existing.st_gid:
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, -1, existing.st_gid)
+    with contextlib.suppress(PermissionError, NotImplementedError):
+        os.fchmod(fd, stat.S_IMODE(existing.st_mode) & 0o777)  # after fchown, which may clear bits
+
+
+def _lock(fd: int) -> bool | None:
+    """Take an exclusive lock on `fd` without waiting: True when taken, False when
+    another open file holds it, None when the filesystem has no locks."""
+    if sys.platform == "win32":
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
 
 
 _FALLOC_FL_KEEP_SIZE = 1
@@ -98,24 +234,38 @@ def _fsync_dir(directory: Path) -> None:
         os.close(dfd)
 
 
-def _remove_orphans(directory: Path, name: str) -> None:
-    """Delete temp files of earlier saves to `name` whose writing process no longer
-    exists (killed mid-save). A file whose pid is alive, or unreadable, is left alone."""
-    prefix = f".{name}."
+def _remove_orphans(directory: Path, stem: str) -> None:
+    """Delete temp files of earlier saves to this target whose writer is gone: those
+    named for this target exactly, owned by us, regular files, and not locked. Anything
+    else (another target's, another user's, a live writer's, a lockless filesystem's)
+    is left alone."""
+    if sys.platform == "win32":
+        return
+    ours = _temp_name(stem)
     try:
-        entries = [e for e in os.listdir(directory) if e.startswith(prefix) and e.endswith(TEMP_SUFFIX)]
+        names = [n for n in os.listdir(directory) if ours.fullmatch(n)]
     except OSError:
         return
-    for entry in entries:
-        pid_text = entry[len(prefix) :].split(".", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-            continue  # the writer is alive (or the pid was reused): not ours to delete
-        except ProcessLookupError:
-            pass
-        except OSError:
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(directory / entry)
+    for name in names:
+        _remove_if_orphaned(str(directory / name))
+
+
+def _remove_if_orphaned(tmp: str) -> None:
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC  # a FIFO must not block
+    try:
+        fd = os.open(tmp, flags)
+    except OSError:
+        return
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+            return
+        if _lock(fd) is not True:
+            return  # its writer is alive, or nothing can tell
+        linked = os.stat(tmp, follow_symlinks=False)
+        if (linked.st_dev, linked.st_ino) == (found.st_dev, found.st_ino):
+            os.unlink(tmp)  # before the lock is dropped: see `_claim`
+    except OSError:
+        return
+    finally:
+        os.close(fd)

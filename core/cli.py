@@ -3,17 +3,25 @@
 Exit codes: 0 success, 1 the check failed (corrupt file, records differ, inexact
 resume), 2 usage errors, 3 a file could not be read or written as a record, 4 a
 conversion was refused (the message lists every reason).
+
+Safe to point at any file: only regular files are read (a FIFO, device or directory is
+refused with exit 3 before it is opened), and every string that comes from a file or a
+path is printed with its control and other non-printable characters escaped (`\x1b`,
+`\n`, `\u202e`), so a crafted key cannot move the cursor, recolour the terminal or
+print a line of its own. `--json` output escapes them as JSON does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import RecorderError
+from .errors import CorruptRecordError, FileMissingError, RecorderError
 from .items import Item
 from .tensor import TensorData
 
@@ -82,10 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(
-            backend=args.backend, steps=args.steps, window=args.window,
-            checkpoint_at=args.checkpoint_at, workdir=args.workdir, as_json=args.json,
-        )
+        try:
+            return run_demo(
+                backend=args.backend, steps=args.steps, window=args.window,
+                checkpoint_at=args.checkpoint_at, workdir=args.workdir, as_json=args.json,
+            )
+        except BrokenPipeError:
+            raise
+        except OSError as e:  # e.g. --workdir names a file, or a place it cannot write
+            print(f"trainrec demo: {_message(e)}", file=sys.stderr)
+            return 3
     if args.command == "inspect":
         return _inspect(args.file, args.json)
     if args.command == "verify":
@@ -95,6 +109,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "convert":
         return _convert(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _printable(text: str) -> str:
+    """`text` with every non-printable character escaped as Python writes it (`\x1b`,
+    `\r`, `\n`, `\u202e`, a lone surrogate of an undecodable file name): what comes
+    from a file or a path prints as one inert line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for c in text)
+
+
+def _message(e: BaseException, *, lines: bool = False) -> str:
+    """An error message for the terminal, escaped to one line; with `lines` (a message
+    that lists its reasons one a line) each line escaped and every line after the first
+    indented, so no line of it can pass for one of the CLI's own."""
+    if not lines:
+        return _printable(str(e))
+    return "\n    ".join(_printable(line) for line in str(e).split("\n"))
+
+
+def _regular_file(path: str) -> None:
+    """Refuse, before opening it, anything but a regular file (or a link to one): a FIFO
+    would block the read forever, a device never end. Raises `FileMissingError` for a
+    missing path or a directory, `RecorderError` for the rest."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError as e:
+        raise FileMissingError("no such file", source=path) from e
+    except (OSError, ValueError) as e:
+        raise RecorderError(f"cannot read: {e}", source=path) from e
+    if stat.S_ISDIR(mode):
+        raise FileMissingError("a directory, not a record file", source=path)
+    if not stat.S_ISREG(mode):
+        raise RecorderError("not a regular file (a FIFO, device or socket): refused", source=path)
 
 
 def _tree(item: Item) -> Any:
@@ -113,12 +162,12 @@ def _print_tree(node: Any, indent: str, out: list[str]) -> None:
     entries = node.items() if isinstance(node, dict) else enumerate(node)
     for k, v in entries:
         if isinstance(v, dict) and set(v) == {"dtype", "shape", "bytes"}:
-            out.append(f"{indent}{k}: {v['dtype']}{v['shape']} {v['bytes']} B")
+            out.append(f"{indent}{_printable(str(k))}: {v['dtype']}{v['shape']} {v['bytes']} B")
         elif isinstance(v, (dict, list)) and v:
-            out.append(f"{indent}{k}:")
+            out.append(f"{indent}{_printable(str(k))}:")
             _print_tree(v, indent + "  ", out)
         else:
-            out.append(f"{indent}{k}: {v!r}")
+            out.append(f"{indent}{_printable(str(k))}: {v!r}")
 
 
 _COMPONENTS = ("model", "optimizer", "scheduler", "grads", "state")
@@ -128,9 +177,10 @@ def _inspect(path: str, as_json: bool) -> int:
     from .recorders import read_file
 
     try:
+        _regular_file(path)
         header, item = read_file(path, mmap=True)
     except RecorderError as e:
-        print(f"trainrec inspect: {e}", file=sys.stderr)
+        print(f"trainrec inspect: {_message(e)}", file=sys.stderr)
         return 3
     tree = _tree(item)
     if header.record_type == "TrainingRecord" and isinstance(tree, list) and len(tree) == 5:
@@ -156,7 +206,7 @@ def _inspect(path: str, as_json: bool) -> int:
         _print_tree(tree, "  ", lines)
     else:
         lines.append(f"  {tree!r}")
-    print("\n".join(lines))
+    print("\n".join(map(_printable, lines)))
     return 0
 
 
@@ -166,21 +216,23 @@ def _verify(path: str, as_json: bool) -> int:
 
     count = total = 0
     try:
+        _regular_file(path)
         _, item = read_file(path, mmap=True)
         for _, t in iter_tensors(item):
             t.array  # noqa: B018 - reading checks the checksum
             count += 1
             total += t.nbytes
     except RecorderError as e:
+        corrupt = isinstance(e, CorruptRecordError)  # else unreadable: missing, a directory, I/O
         if as_json:
             print(json.dumps({"file": path, "ok": False, "error": str(e)}))
         else:
-            print(f"CORRUPT: {e}")
-        return 1
+            print(f"{'CORRUPT' if corrupt else 'UNREADABLE'}: {_message(e)}")
+        return 1 if corrupt else 3
     if as_json:
         print(json.dumps({"file": path, "ok": True, "tensors": count, "bytes": total}))
     else:
-        print(f"OK: {path}: header, structure and {count} tensor checksums ({total} bytes) verified")
+        print(_printable(f"OK: {path}: header, structure and {count} tensor checksums ({total} bytes) verified"))
     return 0
 
 
@@ -191,9 +243,11 @@ def _diff(a: str, b: str, as_json: bool) -> int:
     from .recorders import read_file
 
     try:
+        _regular_file(a)
+        _regular_file(b)
         (ha, ia), (hb, ib) = read_file(a), read_file(b)
     except RecorderError as e:
-        print(f"trainrec diff: {e}", file=sys.stderr)
+        print(f"trainrec diff: {_message(e)}", file=sys.stderr)
         return 3
     ta, tb = dict(iter_tensors(ia)), dict(iter_tensors(ib))
     rows = []
@@ -226,7 +280,7 @@ def _diff(a: str, b: str, as_json: bool) -> int:
     else:
         for r in result["rows"]:
             extra = (f"  max abs {r['max_abs']:.3g}  max rel {r['max_rel']:.3g}" if "max_abs" in r else "")
-            print(f"{r['key']}: {r['status']}{extra}")
+            print(_printable(f"{r['key']}: {r['status']}{extra}"))
         print(f"{same} of {len(rows)} tensors bitwise equal; scalars "
               f"{'equal' if scalars_equal else 'differ'}")
     return 0 if identical else 1
@@ -271,6 +325,9 @@ def _convert(args: argparse.Namespace) -> int:
     from .training import TrainingRecord
 
     try:
+        for given in (args.src, args.template, args.map):
+            if given is not None:
+                _regular_file(given)
         header, item = read_file(args.src, mmap=True)  # NamedMpk sources stream from the map
         if args.to == "mpk":
             total = sum(1 for _ in iter_tensors(item))
@@ -291,8 +348,8 @@ def _convert(args: argparse.Namespace) -> int:
                 print("trainrec convert: --to torch|jax needs --template", file=sys.stderr)
                 return 2
             if header.record_type != "TrainingRecord":
-                print(f"trainrec convert: {args.src} holds a {header.record_type}, not a TrainingRecord",
-                      file=sys.stderr)
+                print(_printable(f"trainrec convert: {args.src} holds a {header.record_type}, "
+                                 "not a TrainingRecord"), file=sys.stderr)
                 return 2
             source: TrainingRecord[Any] = TrainingRecord.from_item(item)
             template: TrainingRecord[Any] = TrainingRecord.from_item(read_file(args.template)[1])
@@ -307,11 +364,11 @@ def _convert(args: argparse.Namespace) -> int:
                        "parameters": sum(1 for _ in iter_tensors(converted.model.item)),
                        "pending_gradients": len(converted.grads.grads)}
     except ConversionError as e:
-        print(f"trainrec convert: refused: {e}", file=sys.stderr)
+        print(f"trainrec convert: refused: {_message(e, lines=True)}", file=sys.stderr)
         return 4
     except (RecorderError, ValueError, OSError) as e:
-        print(f"trainrec convert: {e}", file=sys.stderr)
+        print(f"trainrec convert: {_message(e)}", file=sys.stderr)
         return 3
     print(json.dumps(summary) if args.json else
-          "wrote " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+          _printable("wrote " + ", ".join(f"{k} {v}" for k, v in summary.items())))
     return 0

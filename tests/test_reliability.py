@@ -382,16 +382,25 @@ def test_loads_import_nothing_a_file_names(tmp_path, monkeypatch):
 
 
 def test_a_save_removes_temp_files_of_dead_writers_only(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    import fcntl
+
+    from trainrec import _atomic
+
     path = tmp_path / "c.mpk"
-    orphan = tmp_path / f".c.mpk.{dead.pid}.abc123.trainrec-tmp"
-    alive = tmp_path / f".c.mpk.{os.getppid()}.def456.trainrec-tmp"
-    other = tmp_path / f".other.mpk.{dead.pid}.x.trainrec-tmp"
+    orphan = tmp_path / f".c.mpk.abc123abc123{_atomic.TEMP_SUFFIX}"  # no writer holds it
+    alive = tmp_path / f".c.mpk.def456def456{_atomic.TEMP_SUFFIX}"
+    other = tmp_path / f".other.mpk.abc123abc123{_atomic.TEMP_SUFFIX}"
     for p in (orphan, alive, other):
         p.write_bytes(b"partial")
+    fd = os.open(alive, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as its writer does, for the whole write
+    try:
+        DefaultRecorder().save_item({"a": 1}, path)
+        assert not orphan.exists() and alive.exists() and other.exists()
+    finally:
+        os.close(fd)
     DefaultRecorder().save_item({"a": 1}, path)
-    assert not orphan.exists() and alive.exists() and other.exists()
+    assert not alive.exists() and other.exists()
 
 
 def test_adapter_recorders_refuse_unknown_major_versions(tmp_path):
