@@ -55,6 +55,7 @@ SAVER = textwrap.dedent(
     path, start = sys.argv[1], int(sys.argv[2])
     model, opt, sched = MLP([512, 1024, 512], seed=0), AdamW(), StepLr(0.1, 2)
     acc = trainrec.GradientsAccumulator()
+    print("ready", flush=True)
     for g in range(start, start + 10_000):
         for v in model.params.values():
             v[...] = g
@@ -91,7 +92,10 @@ def test_sigkill_during_saves_never_leaves_a_broken_checkpoint(tmp_path):
     while trials < 50 and time.monotonic() < deadline:
         proc = subprocess.Popen([sys.executable, str(script), str(path), str(seen + 1)],
                                 stdout=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(0.25, 0.6))  # past interpreter start-up, into the save loop
+        assert proc.stdout is not None
+        # wait out interpreter start-up (slow on a loaded machine), then kill inside the save loop
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.4))
         os.kill(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         landed += len(out.split())
