@@ -14,6 +14,7 @@ print a line of its own. `--json` output escapes them as JSON does.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import stat
@@ -42,7 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "in a new process and compares against an uninterrupted run. Exit 0 only when the "
         "resume is bitwise exact.",
     )
-    demo.add_argument("--backend", choices=["auto", "torch", "jax", "numpy"], default="auto")
+    demo.add_argument("--backend", type=_demo_backend, default="auto",
+                      help="auto, torch, jax, numpy, or module:attr naming a conformance Harness "
+                      "of any adapter (spec/ADAPTERS.md)")
     demo.add_argument("--steps", type=int, default=24, help="micro-steps in all (default 24)")
     demo.add_argument("--window", type=int, default=4, help="accumulation window (default 4)")
     demo.add_argument("--checkpoint-at", type=int, default=None,
@@ -144,6 +147,23 @@ def _regular_file(path: str) -> None:
         raise FileMissingError("a directory, not a record file", source=path)
     if not stat.S_ISREG(mode):
         raise RecorderError("not a regular file (a FIFO, device or socket): refused", source=path)
+
+
+def _demo_backend(value: str) -> str:
+    """A bundled backend, or `module:attr` naming a `Harness` in an importable module."""
+    if value in ("auto", "torch", "jax", "numpy"):
+        return value
+    module, sep, attr = value.partition(":")
+    if not (sep and module and attr.isidentifier()):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected auto, torch, jax, numpy or module:attr (a conformance Harness)")
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{value!r}: no module named {module!r}")
+    return value
 
 
 def _tree(item: Item) -> Any:

@@ -26,10 +26,21 @@ Optimizers: SGD (momentum, nesterov) <-> optax `trace`; Adam / AdamW <-> optax
 Conversion refuses (unless `force=True`) where the maths differ: AMSGrad, SGD
 dampening, `maximize`, per-parameter step counts that disagree, complex parameters.
 
-Schedulers: the position (torch `last_epoch`, optax/JaxLrScheduler `count`) is carried.
-The closed forms differ: torch's CosineAnnealingLR is periodic past T_max while optax's
-cosine decay clamps; OneCycle phase boundaries differ by one step. Use a target schedule
-that reproduces the source's values.
+Schedulers: the position (torch `last_epoch`, a JaxLrScheduler `count`, or the count of
+a schedule inside optax, e.g. `optax.adamw(warmup_cosine_decay_schedule(...))`) goes to
+the target's scheduler and to the counts of the schedules inside its optax state (the
+update counts of Adam get the optimizer's step). A torch target also keeps the rate at
+that position (every group's `lr`, the scheduler's `_last_lr`), which no record gives
+(the schedule is code): pass it as `lr`. Refused unless `force=True`: a position the
+target has no schedule for (or a target schedule with no source position), a torch
+scheduler that keeps more than `last_epoch` (SequentialLR, ChainedScheduler,
+CosineAnnealingWarmRestarts, ReduceLROnPlateau), a torch target's rate at a new position
+without `lr`. The closed forms differ: torch's CosineAnnealingLR is periodic past T_max
+while optax's cosine decay clamps; OneCycle phase boundaries differ by one step. Use a
+target schedule that reproduces the source's values.
+
+A malformed record (a component that is not the map or list its framework writes) is a
+`ConversionError` naming the key.
 
 A parameter without optimizer state in the source (torch creates it at a parameter's
 first step) keeps the template's, which a freshly built target holds at zero. Pending
@@ -41,8 +52,9 @@ it by None.
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,15 +125,25 @@ def framework_of(record: TrainingRecord[Any]) -> str:
 # -- flat views of each framework's records ------------------------------------------------
 
 
-def _torch_params(model: StateRecord) -> dict[str, TensorData]:
-    item = model.item
-    assert isinstance(item, dict) and isinstance(item.get("tensors"), dict)
-    return dict(item["tensors"])  # type: ignore[arg-type]
+def _map(value: Item, key: str) -> dict[str, Item]:
+    if not isinstance(value, dict):
+        raise ConversionError(f"{key}: expected a map, got {type(value).__name__}")
+    return value
 
 
-def _jax_params(model: StateRecord) -> dict[str, TensorData]:
-    assert isinstance(model.item, dict)
-    return {k: v for k, v in model.item.items() if isinstance(v, TensorData)}
+def _list(value: Item, key: str) -> list[Item]:
+    if not isinstance(value, list):
+        raise ConversionError(f"{key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _torch_params(model: StateRecord, role: str) -> dict[str, TensorData]:
+    tensors = _map(_map(model.item, f"{role}.model").get("tensors"), f"{role}.model.tensors")
+    return {k: v for k, v in tensors.items() if isinstance(v, TensorData)}
+
+
+def _jax_params(model: StateRecord, role: str) -> dict[str, TensorData]:
+    return {k: v for k, v in _map(model.item, f"{role}.model").items() if isinstance(v, TensorData)}
 
 
 _TORCH_TO_FLAX = {  # torch leaf -> (flax collection, flax leaf candidates with transform by rank)
@@ -218,15 +240,14 @@ class _Neutral:
 
 
 def _torch_optimizer(opt: StateRecord, force: bool) -> _Neutral:
-    item = opt.item
-    assert isinstance(item, dict)
-    groups, state = item["param_groups"], item["state"]
-    assert isinstance(groups, list) and isinstance(state, dict)
+    item = _map(opt.item, "source.optimizer")
+    groups = _list(item.get("param_groups"), "source.optimizer.param_groups")
+    state = _map(item.get("state"), "source.optimizer.state")
     kind = opt.kind.lower()
     algo = "sgd" if kind.endswith(".sgd") else "adam" if kind.endswith((".adam", ".adamw")) else ""
     problems = [] if algo else [f"optimizer {opt.kind} has no optax counterpart here (SGD, Adam, AdamW)"]
-    for g in groups:
-        assert isinstance(g, dict)
+    for gi, group in enumerate(groups):
+        g = _map(group, f"source.optimizer.param_groups.{gi}")
         if g.get("amsgrad"):
             problems.append("AMSGrad: optax keeps the max of the bias-corrected nu, torch of the raw one")
         if g.get("maximize"):
@@ -236,19 +257,19 @@ def _torch_optimizer(opt: StateRecord, force: bool) -> _Neutral:
     steps = set()
     m: dict[str, TensorData] = {}
     v: dict[str, TensorData] = {}
-    for pid, entry in state.items():
-        assert isinstance(entry, dict)
+    for pid, value in state.items():
+        entry = _map(value, f"source.optimizer.state.{pid}")
         step = entry.get("step")
         if isinstance(step, TensorData):
             steps.add(int(float(step.array)))
         elif isinstance(step, (int, float)):
             steps.add(int(step))
         for src, dst in (("exp_avg", m), ("momentum_buffer", m), ("exp_avg_sq", v)):
-            value = entry.get(src)
-            if isinstance(value, TensorData):
-                if np.iscomplexobj(value.array):
+            moment = entry.get(src)
+            if isinstance(moment, TensorData):
+                if np.iscomplexobj(moment.array):
                     problems.append(f"{pid}: complex parameters")
-                dst[pid] = value
+                dst[pid] = moment
     if len(steps) > 1:
         problems.append(f"per-parameter step counts disagree ({sorted(steps)}); optax keeps one count")
     if problems and not force:
@@ -258,8 +279,7 @@ def _torch_optimizer(opt: StateRecord, force: bool) -> _Neutral:
 
 
 def _jax_optimizer(opt: StateRecord) -> _Neutral:
-    assert isinstance(opt.item, dict)
-    leaves = opt.item
+    leaves = _map(opt.item, "source.optimizer")
     m = {"params." + k.split(".mu.", 1)[1]: t for k, t in leaves.items()
          if ".mu." in f".{k}" and isinstance(t, TensorData)}
     v = {"params." + k.split(".nu.", 1)[1]: t for k, t in leaves.items()
@@ -270,20 +290,29 @@ def _jax_optimizer(opt: StateRecord) -> _Neutral:
     mu_prefix = next((k.split(".mu.")[0] for k in leaves if ".mu." in f".{k}"), None)
     count_key = f"{mu_prefix}.count" if mu_prefix is not None and f"{mu_prefix}.count" in leaves else (
         counts[0] if counts else None)
-    step = 0
-    if count_key is not None:
-        c = leaves[count_key]
-        step = int(c.array) if isinstance(c, TensorData) else int(c)  # type: ignore[arg-type]
+    step = 0 if count_key is None else _count(leaves[count_key], f"source.optimizer.{count_key}")
     if trace and not m:
         return _Neutral("sgd", step, trace, {})
     return _Neutral("adam", step, m, v)
 
 
-def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]]) -> Item:
-    assert isinstance(template.item, dict)
+def _target_algo(template: StateRecord, to_flax: bool) -> str:
+    if to_flax:
+        keys = [f".{k}" for k in _map(template.item, "template.optimizer")]
+        return "adam" if any(".mu." in k for k in keys) else "sgd" if any(".trace." in k for k in keys) else ""
+    kind = template.kind.lower()
+    return "sgd" if kind.endswith(".sgd") else "adam" if kind.endswith((".adam", ".adamw")) else ""
+
+
+def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]],
+                      position: int) -> Item:
+    """The template's optax state with the source's moments, its step in every update count
+    and `position` in every schedule count."""
+    leaves = _map(template.item, "template.optimizer")
+    updates, _ = _counts(leaves)
     out: dict[str, Item] = {}
     problems = []
-    for key, like in template.item.items():
+    for key, like in leaves.items():
         dotted = f".{key}"
         for marker, source in ((".mu.", n.m), (".nu.", n.v), (".trace.", n.m)):
             if marker in dotted:
@@ -298,8 +327,9 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
                     out[key] = _apply(source[src[0]], src[1], like if isinstance(like, TensorData) else None)
                 break
         else:
-            if key.endswith("count") and isinstance(like, TensorData):
-                out[key] = TensorData.from_array(np.asarray(n.step, like.dtype.numpy))  # 0-d
+            if _is_count(key) and isinstance(like, TensorData):
+                value = n.step if key in updates else position
+                out[key] = TensorData.from_array(np.asarray(value, like.dtype.numpy))  # 0-d
             else:
                 out[key] = like  # hyperparameters and empty states: the target's own
     if problems:
@@ -308,17 +338,23 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
 
 
 def _to_torch_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]],
-                        target_params: dict[str, TensorData]) -> Item:
-    item = template.item
-    assert isinstance(item, dict)
-    groups = item["param_groups"]
-    assert isinstance(groups, list)
+                        target_params: dict[str, TensorData], lrs: list[float] | None) -> Item:
+    """The template's param groups (with `lrs`, the rate of each group at the schedule
+    position, where given) and the source's state."""
+    item = _map(template.item, "template.optimizer")
+    groups: list[Item] = []
+    for gi, group in enumerate(_list(item.get("param_groups"), "template.optimizer.param_groups")):
+        g = dict(_map(group, f"template.optimizer.param_groups.{gi}"))
+        if lrs is not None:
+            g["lr"] = lrs[gi]
+        groups.append(g)
     sgd = template.kind.lower().endswith(".sgd")
     state: dict[str, Item] = {}
-    for g in groups:
-        assert isinstance(g, dict) and isinstance(g["params"], list)
-        for pid in g["params"]:
-            assert isinstance(pid, str)
+    for gi, group in enumerate(groups):
+        where = f"template.optimizer.param_groups.{gi}.params"
+        for pid in _list(_map(group, where).get("params"), where):
+            if not isinstance(pid, str) or pid not in target_params:
+                raise ConversionError(f"{where}: {pid!r} is not a parameter of the template's model")
             src = inverse.get(pid)
             if src is None or src[0] not in n.m:
                 continue  # no state yet for this parameter
@@ -349,30 +385,126 @@ def _drop_rng(item: Item, drop: bool, path: str = "state") -> Item:
     return item
 
 
-def _position(s: StateRecord | None) -> int | None:
-    if s is None or not isinstance(s.item, dict):
-        return None
-    for key in ("last_epoch", "count"):
-        value = s.item.get(key)
-        if isinstance(value, int):
-            return value
-    return None
+# torch schedulers whose whole position is `last_epoch` (and `_step_count`); the others
+# (SequentialLR, ChainedScheduler, CosineAnnealingWarmRestarts, ReduceLROnPlateau) keep more
+_TORCH_POSITIONAL = frozenset(f"torch.optim.lr_scheduler.{name}" for name in (
+    "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
+    "PolynomialLR", "CosineAnnealingLR", "OneCycleLR", "CyclicLR"))
 
 
-def _scheduler(source: StateRecord | None, template: StateRecord | None) -> StateRecord | None:
-    if template is None:
+def _count(value: Item, key: str) -> int:
+    if isinstance(value, TensorData) and value.dtype.numpy.kind in "iu" and value.shape in ((), (1,)):
+        return int(value.array.reshape(()))
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConversionError(f"{key}: expected an integer count, got {value!r}")
+
+
+def _is_count(key: str) -> bool:
+    return key == "count" or key.endswith(".count")
+
+
+def _counts(leaves: dict[str, Item]) -> tuple[set[str], set[str]]:
+    """(update counts, schedule counts) of an optax state: the count beside `mu`/`nu`
+    (ScaleByAdamState) or beside `hyperparams` (inject_hyperparams) counts updates; any
+    other count (ScaleByScheduleState, a scheduled hyperparameter's state) is the position
+    of a schedule that lives inside optax."""
+    updates: set[str] = set()
+    schedules: set[str] = set()
+    for key in leaves:
+        if _is_count(key):
+            prefix = key[: -len("count")]
+            siblings = (prefix + "mu.", prefix + "nu.", prefix + "hyperparams.")
+            (updates if any(k.startswith(siblings) for k in leaves) else schedules).add(key)
+    return updates, schedules
+
+
+def _source_schedule(source: TrainingRecord[Any], problems: list[str]) -> tuple[int, str] | None:
+    """The source's schedule position and where it is kept; None when it schedules nothing."""
+    sched = source.scheduler
+    if sched is not None:
+        item = _map(sched.item, "source.scheduler")
+        key = "count" if "count" in item else "last_epoch"
+        if sched.kind.startswith("torch") and sched.kind not in _TORCH_POSITIONAL:
+            problems.append(f"source.scheduler: a {sched.kind} keeps more than its last_epoch; "
+                            "its position does not carry")
+        return _count(item.get(key), f"source.scheduler.{key}"), f"source.scheduler.{key}"
+    if framework_of(source) != "jax":
         return None
-    position = _position(source)
-    if position is None:
-        return template
-    assert isinstance(template.item, dict)
-    item = dict(template.item)
-    if "count" in item:
-        item["count"] = position
+    leaves = _map(source.optimizer.item, "source.optimizer")
+    found = {key: _count(leaves[key], f"source.optimizer.{key}") for key in sorted(_counts(leaves)[1])}
+    if len(set(found.values())) > 1:
+        problems.append(f"source.optimizer: the schedule counts disagree ({found})")
+    return (max(found.values()), f"source.optimizer.{min(found)}") if found else None
+
+
+def _rates(lr: float | Sequence[float], groups: int) -> list[float]:
+    rates = [lr] * groups if isinstance(lr, (int, float)) else list(lr)
+    if len(rates) != groups or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r >= 0
+            for r in rates):
+        raise ValueError(f"lr must be a finite rate >= 0 or one per param group ({groups}), got {lr!r}")
+    return [float(r) for r in rates]
+
+
+def _carry_schedule(source: TrainingRecord[Any], template: TrainingRecord[Any], step: int,
+                    lr: float | Sequence[float] | None,
+                    force: bool) -> tuple[int, StateRecord | None, list[float] | None]:
+    """(the position for the target's schedule counts, the target's scheduler record, the
+    rate of each torch param group at that position). Raises `ConversionError` where the
+    position has no place in the target, or a torch target's rate at it is unknown."""
+    problems: list[str] = []
+    source_schedule = _source_schedule(source, problems)
+    sched = template.scheduler
+    to_flax = framework_of(template) == "jax"
+    lrs: list[float] | None = None
+    if to_flax:
+        if lr is not None:
+            raise ValueError("lr is for torch targets: JAX computes its rate from the schedule count")
+        places = [f"template.optimizer.{k}" for k in sorted(_counts(_map(
+            template.optimizer.item, "template.optimizer"))[1])]
+        if sched is not None:
+            places.append("template.scheduler.count")
     else:
-        item["last_epoch"] = position
-        item["_step_count"] = position + 1
-    return StateRecord(template.kind, item)
+        groups = _list(_map(template.optimizer.item, "template.optimizer").get("param_groups"),
+                       "template.optimizer.param_groups")
+        lrs = None if lr is None else _rates(lr, len(groups))
+        places = [] if sched is None else ["template.scheduler.last_epoch"]
+    if source_schedule is None:
+        position = step
+        if places and step > 0:
+            problems.append(f"the template schedules its learning rate ({', '.join(places)}), "
+                            f"the source has no schedule position after {step} steps")
+    else:
+        position, where = source_schedule
+        if not places and position > 0:
+            problems.append(f"{where} = {position}: the template has no schedule to carry it"
+                            + (" (an optax schedule or a JaxLrScheduler)" if to_flax else " (a torch scheduler)"))
+    scheduler = sched
+    if sched is not None:
+        item = dict(_map(sched.item, "template.scheduler"))
+        if to_flax:
+            if "count" not in item:
+                problems.append(f"template.scheduler: a {sched.kind} has no count to carry the position")
+            else:
+                item["count"] = position
+        elif sched.kind not in _TORCH_POSITIONAL:
+            problems.append(f"template.scheduler: a {sched.kind} keeps more than its last_epoch; "
+                            "the position does not carry")
+        else:
+            if position != item.get("last_epoch") and lrs is None:
+                problems.append(
+                    f"template.scheduler: a {sched.kind} at last_epoch {position} keeps each group's "
+                    "learning rate there, which the records do not give (the schedule is code); pass "
+                    f"lr= (the source schedule's rate at {position})")
+            item["last_epoch"], item["_step_count"] = position, position + 1
+            if lrs is not None:
+                item["_last_lr"] = list(lrs)
+        scheduler = StateRecord(sched.kind, item)
+    if problems and not force:
+        raise ConversionError("the learning-rate schedule does not carry over:\n  " + "\n  ".join(problems)
+                              + "\n(force=True converts anyway: the template's rates, the position where it fits)")
+    return position, scheduler, lrs
 
 
 # -- the conversion ------------------------------------------------------------------------
@@ -380,16 +512,25 @@ def _scheduler(source: StateRecord | None, template: StateRecord | None) -> Stat
 
 def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
             rules: list[Rule] | None = None, force: bool = False,
-            drop_rng: bool = False) -> TrainingRecord[Any]:
+            drop_rng: bool = False, lr: float | Sequence[float] | None = None) -> TrainingRecord[Any]:
     """`source` converted into the framework, layout and structure of `template`.
+
+    The learning-rate schedule's position (torch `last_epoch`, a `JaxLrScheduler` count,
+    or the count of a schedule inside optax) goes to the target's schedule. A torch target
+    also keeps the rate itself (each group's `lr`, the scheduler's `_last_lr`): `lr` gives
+    it (one rate, or one per param group: the source schedule's value at its position).
+
     Raises `ConversionError` listing every problem (unmapped or mismatched tensors,
-    optimizer maths that differ, RNG state) at once."""
+    optimizer maths that differ, a schedule position the target cannot hold or whose
+    torch rate is not given, RNG state) at once; `force=True` converts anyway where the
+    maths or the schedule differ. `ValueError` for an `lr` that is not a rate per group.
+    """
     src_fw, dst_fw = framework_of(source), framework_of(template)
     if src_fw == dst_fw:
         raise ConversionError(f"both records are {src_fw}: nothing to convert")
     to_flax = dst_fw == "jax"
-    src_params = _torch_params(source.model) if src_fw == "torch" else _jax_params(source.model)
-    dst_params = _jax_params(template.model) if to_flax else _torch_params(template.model)
+    src_params = (_torch_params if src_fw == "torch" else _jax_params)(source.model, "source")
+    dst_params = (_jax_params if to_flax else _torch_params)(template.model, "template")
     mapping = _match_params(src_params, dst_params, to_flax, rules or [])
     new_params = {name: _apply(src_params[s], tr, dst_params[name]) for name, (s, tr) in mapping.items()}
     for name, t in dst_params.items():
@@ -399,17 +540,25 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
         if native and not force:
             raise ConversionError("the torch model holds gradients in .grad (native accumulation); "
                                   "move them into the accumulator, or force=True to drop them")
+    neutral = _torch_optimizer(source.optimizer, force) if to_flax else _jax_optimizer(source.optimizer)
+    target_algo = _target_algo(template.optimizer, to_flax)
+    if neutral.m and target_algo != neutral.algo:
+        if not force:
+            raise ConversionError(f"the source optimizer keeps {neutral.algo} state, the template's "
+                                  f"({template.optimizer.kind}) {target_algo or 'no state this converts'}: "
+                                  "build the target with the same algorithm (force=True keeps the "
+                                  "template's fresh state)")
+        neutral = _Neutral(target_algo, neutral.step, {}, {})
+    position, scheduler, lrs = _carry_schedule(source, template, neutral.step, lr, force)
     if to_flax:
-        model_item: Item = {k: new_params.get(k, v) for k, v in template.model.item.items()}  # type: ignore[union-attr]
-        neutral = _torch_optimizer(source.optimizer, force)
-        opt_item = _to_jax_optimizer(neutral, template.optimizer, mapping)
+        t_model = _map(template.model.item, "template.model")
+        model_item: Item = {k: new_params.get(k, v) for k, v in t_model.items()}
+        opt_item = _to_jax_optimizer(neutral, template.optimizer, mapping, position)
     else:
-        t_item = template.model.item
-        assert isinstance(t_item, dict)
-        model_item = {"tensors": {k: new_params[k] for k in dst_params}, "aliases": t_item["aliases"],
+        t_model = _map(template.model.item, "template.model")
+        model_item = {"tensors": {k: new_params[k] for k in dst_params}, "aliases": t_model.get("aliases"),
                       "grads": {}}
-        opt_item = _to_torch_optimizer(_jax_optimizer(source.optimizer), template.optimizer, mapping,
-                                       dst_params)
+        opt_item = _to_torch_optimizer(neutral, template.optimizer, mapping, dst_params, lrs)
     inverse_src = {s: (t, tr) for t, (s, tr) in mapping.items()}
     grads = {}
     for pid, g in source.grads.grads.items():
@@ -417,15 +566,13 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
             raise ConversionError(f"pending gradient {pid} has no target parameter")
         target_name, tr = inverse_src[pid]
         grads[target_name] = _apply(g, tr)
-    whole = source.into_item(NativePrecisionSettings())
-    assert isinstance(whole, list)
+    whole = _list(source.into_item(NativePrecisionSettings()), "source")
     state_item = _drop_rng(whole[4], drop_rng)
     return TrainingRecord(
         StateRecord(template.model.kind, check_item(model_item)),
         StateRecord(template.optimizer.kind, check_item(opt_item)),
-        _scheduler(source.scheduler, template.scheduler),
+        scheduler,
         GradientsParamsRecord(grads),
         state_item,
         None,
     )
-

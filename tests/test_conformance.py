@@ -54,3 +54,29 @@ def test_the_third_party_adapter_is_found_through_its_entry_point():
             "assert type(b).__module__ == 'trainrec_arraystrict.adapter', type(b)\n"
             "assert 'trainrec_arraystrict' in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("harness", ["trainrec_arraystrict.testing:HARNESS", "trainrec.adapters.numpy.demo:WORKLOAD"])
+def test_demo_runs_any_adapter_named_by_its_harness(harness):
+    """`trainrec demo --backend module:attr`, as spec/ADAPTERS.md says."""
+    pytest.importorskip(harness.partition(":")[0])
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainrec", "demo", "--backend", harness, "--steps", "8",
+                          "--window", "4", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout[out.stdout.index("{"):])
+    assert result["backend"] == harness and result["bitwise_identical"] and not result["without_pending_identical"]
+
+
+@pytest.mark.parametrize(("backend", "says"), [("no_such_module_x:HARNESS", "no module named"),
+                                                ("trainrec.adapters.numpy.demo", "module:attr")])
+def test_demo_refuses_a_backend_it_cannot_find(backend, says):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainrec", "demo", "--backend", backend],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -91,11 +91,12 @@ def batches(case):
 
 
 class TorchRun:
-    def __init__(self, case, seed=0):
+    def __init__(self, case, seed=0, scheduler=None):
         torch.manual_seed(seed)
         self.case, self.model = case, CASES[case]["torch_model"]()
         self.opt = CASES[case]["torch_opt"](self.model.parameters())
-        self.acc, self.losses = GradientsAccumulator(), []
+        self.sched = None if scheduler is None else scheduler(self.opt)
+        self.acc, self.losses, self.lrs = GradientsAccumulator(), [], []
 
     def train(self, start, stop, x, y):
         for i in range(start, stop):
@@ -106,23 +107,26 @@ class TorchRun:
             if (i + 1) % WINDOW == 0:
                 g = self.acc.grads()
                 trt.set_grads(self.model, GradientsParams({k: v / WINDOW for k, v in g.items()}))
+                self.lrs.append([group["lr"] for group in self.opt.param_groups])
                 self.opt.step()
                 self.opt.zero_grad(set_to_none=True)
+                if self.sched is not None:
+                    self.sched.step()
 
     def record(self, micro):
-        return TrainingRecord.capture(self.model, self.opt, None, self.acc, S(micro))
+        return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
 
     def restore(self, record):
-        self.acc = record.restore(self.model, self.opt, None, "cpu").accumulator
+        self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
 
 
 class JaxRun:
-    def __init__(self, case, seed=0):
+    def __init__(self, case, seed=0, tx=None):
         self.case, self.net = case, CASES[case]["flax_model"]()
         x, _ = batches(case)
         variables = self.net.init(jax.random.PRNGKey(seed), jnp.asarray(x[0]))
         self.model = trj.JaxModule(variables)
-        tx = CASES[case]["optax_opt"]()
+        tx = CASES[case]["optax_opt"]() if tx is None else tx
         self.opt = trj.JaxOptimizer(tx, tx.init(variables["params"]))
         self.acc, self.losses = GradientsAccumulator(), []
 
@@ -357,3 +361,182 @@ def test_conversion_streams_tensor_by_tensor(tmp_path):
     expected = convert(src.record(K), JaxRun("mlp-adamw", seed=1).record(0))
     r = NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())
     assert TrainingRecord.load(trainrec.NamedMpkFileRecorder(), tmp_path / "dst.mpk").save(r) == expected.save(r)
+
+
+# -- learning-rate schedules ---------------------------------------------------------------
+
+PEAK = 1e-2
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, PEAK, 2, 10)
+
+
+def scheduled_tx():
+    """The JAX run's schedule lives inside optax: its position is an optax count."""
+    return optax.adamw(SCHEDULE, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def lambda_lr(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda n: float(SCHEDULE(n)) / PEAK)
+
+
+def scheduled_torch(seed=0):
+    return TorchRun("mlp-adamw", seed, scheduler=lambda_lr)  # AdamW(lr=PEAK)
+
+
+def test_jax_schedule_inside_optax_resumes_in_torch_at_its_position():
+    """JAX (optax.adamw(schedule)) stopped mid-window after two updates, converted to torch
+    (AdamW + LambdaLR of the same schedule), continued: the next rates and the losses are
+    the uninterrupted JAX run's."""
+    x, y = batches("mlp-adamw")
+    ref = JaxRun("mlp-adamw", tx=scheduled_tx())
+    ref.train(0, K + M, x, y)
+    src = JaxRun("mlp-adamw", tx=scheduled_tx())
+    src.train(0, K, x, y)
+    position = K // WINDOW
+    source = via_file(src.record(K))
+    assert int(source.optimizer.item["2.count"].array) == position  # ScaleByScheduleState
+    dst = scheduled_torch(seed=1)
+    with pytest.raises(ConversionError, match=r"(?s)template\.scheduler.*last_epoch 2.*lr="):
+        convert(source, dst.record(0))  # torch keeps the rate, the records do not give it
+    rate = float(SCHEDULE(position))
+    converted = via_file(convert(source, dst.record(0), lr=rate))
+
+    sched = converted.scheduler.item
+    assert (sched["last_epoch"], sched["_step_count"], sched["_last_lr"]) == (position, position + 1, [rate])
+    groups = converted.optimizer.item["param_groups"]
+    assert [(g["lr"], g["initial_lr"]) for g in groups] == [(rate, PEAK)]
+    native = scheduled_torch()  # the same torch objects stepped to the same position
+    native.train(0, K, x, y)
+    native_sched = native.sched.state_dict()
+    assert {k: sched[k] for k in ("last_epoch", "_step_count", "base_lrs")} == \
+        {k: native_sched[k] for k in ("last_epoch", "_step_count", "base_lrs")}
+    np.testing.assert_allclose(sched["_last_lr"], native_sched["_last_lr"], rtol=1e-6)
+
+    dst.restore(converted)
+    assert dst.sched.last_epoch == position and dst.opt.param_groups[0]["lr"] == rate
+    dst.train(K, K + M, x, y)
+    expected = [float(SCHEDULE(n)) for n in range(position, (K + M) // WINDOW)]
+    np.testing.assert_allclose([lrs[0] for lrs in dst.lrs], expected, rtol=1e-6)
+    np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
+    forced = convert(source, scheduled_torch(seed=1).record(0), force=True)
+    assert forced.scheduler.item["last_epoch"] == position  # the position, the template's rate
+
+
+def test_torch_scheduler_position_resumes_in_optax():
+    x, y = batches("mlp-adamw")
+    ref = scheduled_torch()
+    ref.train(0, K + M, x, y)
+    src = scheduled_torch()
+    src.train(0, K, x, y)
+    dst = JaxRun("mlp-adamw", seed=1, tx=scheduled_tx())
+    with pytest.raises(ValueError, match="lr is for torch targets"):
+        convert(via_file(src.record(K)), dst.record(0), lr=0.1)
+    converted = convert(via_file(src.record(K)), dst.record(0))
+    assert int(converted.optimizer.item["2.count"].array) == K // WINDOW
+    dst.restore(via_file(converted))
+    dst.train(K, K + M, x, y)
+    np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
+def test_the_schedule_position_goes_to_schedule_counts_and_the_step_to_update_counts():
+    """A torch scheduler stepped once more than the optimizer (one warm-up step before
+    training): optax's schedule count gets last_epoch, Adam's count the step."""
+    x, y = batches("mlp-adamw")
+    src = scheduled_torch()
+    src.sched.step()
+    src.train(0, K, x, y)
+    out = convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0))
+    steps = K // WINDOW
+    assert (int(out.optimizer.item["0.count"].array), int(out.optimizer.item["2.count"].array)) == \
+        (steps, steps + 1)
+
+
+def sequential_lr(opt):
+    sched = torch.optim.lr_scheduler
+    return sched.SequentialLR(opt, [sched.LinearLR(opt, 0.5, total_iters=2), sched.ExponentialLR(opt, 0.9)],
+                              milestones=[2])
+
+
+@pytest.mark.parametrize(("first", "source_schedule", "target_schedule"), [
+    ("jax", scheduled_tx, None),  # the source's schedule position has no place in the target
+    ("jax", None, lambda_lr),  # the target schedules, the source has no position
+    ("torch", lambda_lr, None),
+    ("torch", None, scheduled_tx),
+    ("torch", sequential_lr, scheduled_tx),  # keeps more than last_epoch
+], ids=["jax-schedule-to-torch-constant", "jax-constant-to-torch-lambdalr", "torch-lambdalr-to-optax-constant",
+        "torch-constant-to-optax-schedule", "torch-sequentiallr-to-optax-schedule"])
+def test_a_schedule_position_without_a_place_is_refused_unless_forced(first, source_schedule, target_schedule):
+    x, y = batches("mlp-adamw")
+    if first == "jax":
+        src = JaxRun("mlp-adamw", tx=source_schedule and source_schedule())
+        target = TorchRun("mlp-adamw", scheduler=target_schedule).record(0)
+    else:
+        src = TorchRun("mlp-adamw", scheduler=source_schedule)
+        target = JaxRun("mlp-adamw", tx=target_schedule and target_schedule()).record(0)
+    src.train(0, K, x, y)
+    with pytest.raises(ConversionError, match="schedule does not carry over"):
+        convert(src.record(K), target)
+    convert(src.record(K), target, force=True)
+
+
+def _damaged(record, component, edit):
+    item = record.into_item(trainrec.NativePrecisionSettings())
+    edit(item[component]["state"])
+    return TrainingRecord.from_item(item, state_type=S)
+
+
+@pytest.mark.parametrize(("side", "component", "edit", "key"), [
+    ("source", 0, lambda m: m.pop("tensors"), "source.model.tensors"),
+    ("source", 1, lambda o: o.update(param_groups={}), "source.optimizer.param_groups"),
+    ("source", 1, lambda o: o["state"].update(x=[]), "source.optimizer.state.x"),
+    ("template", 0, lambda m: m.pop("tensors"), "template.model.tensors"),
+    ("template", 1, lambda o: o.update(param_groups=[[]]), "template.optimizer.param_groups.0"),
+    ("template", 1, lambda o: o["param_groups"][0].update(params=["nope"]), "template.optimizer.param_groups.0.params"),
+])
+def test_malformed_records_raise_conversion_errors_naming_the_key(side, component, edit, key):
+    x, y = batches("mlp-adamw")
+    torch_run = TorchRun("mlp-adamw")
+    torch_run.train(0, K, x, y)
+    torch_record, jax_record = torch_run.record(K), JaxRun("mlp-adamw").record(0)
+    if side == "source":
+        source, template = _damaged(torch_record, component, edit), jax_record
+    else:
+        source, template = JaxRun("mlp-adamw").record(0), _damaged(torch_record, component, edit)
+    with pytest.raises(ConversionError, match=key.replace(".", r"\.")):
+        convert(source, template)
+
+
+def test_cli_convert_refuses_a_malformed_template(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "src.mpk"
+    JaxRun("mlp-adamw").record(0).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), src)
+    template = tmp_path / "template.mpk"
+    bad = _damaged(TorchRun("mlp-adamw").record(0), 1, lambda o: o.update(param_groups={"0": {}}))
+    bad.save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), template)
+    out = subprocess.run([sys.executable, "-m", "trainrec", "convert", str(src), str(tmp_path / "dst.pt"),
+                          "--to", "torch", "--template", str(template)], capture_output=True, text=True)
+    assert out.returncode == 4 and "template.optimizer.param_groups" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("direction", ["jax-sgd-to-torch-adamw", "torch-sgd-to-optax-adamw"])
+def test_optimizers_of_different_algorithms_are_refused(direction):
+    x, y = batches("mlp-adamw")
+    if direction.startswith("jax"):
+        src = JaxRun("mlp-adamw", tx=optax.sgd(0.05, momentum=0.9))
+        target = TorchRun("mlp-adamw").record(0)
+    else:
+        src = TorchRun("mlp-adamw")
+        src.opt = torch.optim.SGD(src.model.parameters(), lr=0.05, momentum=0.9)
+        target = JaxRun("mlp-adamw").record(0)
+    src.train(0, K, x, y)
+    with pytest.raises(ConversionError, match="source optimizer keeps sgd state"):
+        convert(src.record(K), target)
+    forced = convert(src.record(K), target, force=True).optimizer.item  # the template's fresh state
+    if direction.startswith("jax"):
+        assert forced["state"] == {}
+    else:
+        moments = [k for k in forced if ".mu." in k]
+        assert moments and all(np.array_equal(forced[k].array, target.optimizer.item[k].array) for k in moments)

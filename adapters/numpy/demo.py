@@ -65,6 +65,10 @@ class NumpyWorkload(Harness):
         state: Any = parts.state
         state.rng.apply(parts.extras["gen"])
 
+    def reorder(self, parts: Parts) -> bool:
+        parts.model.params = dict(reversed(parts.model.params.items()))
+        return True
+
     def native_objects(self, parts: Parts) -> list[Any]:
         return [parts.model, parts.optimizer, parts.scheduler, np.zeros(1)]
 

@@ -28,7 +28,8 @@ class Harness:
     window)` (take `parts.accumulator.grads()`, step optimizer and scheduler).
     Optional: `before_capture` / `after_restore` (move framework RNG into / out of the
     state), `device`, `dtypes` (those the backend supports), `recorders` (the adapter's
-    own, by name), `native_objects(parts)` (objects `trainrec.adapt` must resolve).
+    own, by name), `native_objects(parts)` (objects `trainrec.adapt` must resolve),
+    `reorder(parts)` (the same parameters in another order, where the framework allows it).
     """
 
     name: ClassVar[str] = "adapter"
@@ -53,6 +54,13 @@ class Harness:
 
     def after_restore(self, parts: Parts) -> None:
         """Put RNG state from `parts.state` back into the framework (default: nothing)."""
+
+    def reorder(self, parts: Parts) -> bool:
+        """Give the model of a freshly built `parts` the same parameters in another order
+        (`param_ids()` lists them differently) and return True, so the suite checks that
+        optimizer records are keyed by ParamId, never by position. Default: False (the
+        framework keeps one order)."""
+        return False
 
     def backend(self, parts: Parts) -> AutodiffBackend:
         return adapt_module(parts.model).backend

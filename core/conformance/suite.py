@@ -6,8 +6,10 @@
     class TestMyAdapter(AdapterConformance):
         harness = MyHarness()
 
-Every test checks one contract of spec/PROTOCOLS.md or the seed documents, and its
-failure message starts with the contract that broke.
+Every test checks one contract of spec/PROTOCOLS.md, spec/ADAPTERS.md or the seed
+documents. Its failure message starts with `contract:`, then the component and key that
+broke it (`backend.to_host`, `optimizer.check_record`, `model.layers.0.weight`), then the
+sentence.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,7 +28,7 @@ import pytest
 from ..accumulator import GradientsAccumulator
 from ..demo import checkpoint_path, compare_items, recorders_for, train_until
 from ..dtypes import DType, FloatDType
-from ..errors import LossyPrecisionError, RecorderError
+from ..errors import LossyPrecisionError, RecorderError, RecordMismatchError
 from ..gradients import GradientsParams, GradientsParamsRecord
 from ..items import Item
 from ..precision import (
@@ -73,6 +77,73 @@ def _run(h: Harness, parts: Parts, micro_steps: int) -> None:
     train_until(h, parts, parts.state.micro + micro_steps, h.window)
 
 
+def midway(h: Harness) -> Parts:
+    """A run in the middle of its second accumulation window: optimizer state exists and
+    gradients are pending (the `parts` every test starts from)."""
+    parts = h.build(0)
+    _run(h, parts, h.window + 2)
+    return parts
+
+
+def _broken(where: str, sentence: str) -> AssertionError:
+    return AssertionError(f"contract: {where}: {sentence}")
+
+
+def _expect(ok: bool, where: str, sentence: str) -> None:
+    if not ok:
+        raise _broken(where, sentence)
+
+
+def _rejects(call: Callable[[], Any], where: str, sentence: str,
+             error: type[Exception] = RecorderError) -> None:
+    """`call()` must raise `error`; anything else breaks the contract at `where`."""
+    try:
+        call()
+    except error:
+        return
+    except Exception as e:  # noqa: BLE001 - the contract is about the type
+        raise _broken(where, f"{sentence}; raised {type(e).__name__} instead: {e}") from e
+    raise _broken(where, f"{sentence}; it was accepted")
+
+
+_COMPONENTS = ("model", "optimizer", "scheduler", "grads", "state")
+
+
+def _where(path: str) -> str:
+    """A path in a TrainingRecord item as `component.key`."""
+    head, _, rest = path.partition(".")
+    if not head.isdigit() or int(head) >= len(_COMPONENTS):
+        return path
+    rest = rest.removeprefix("state.") if int(head) < 3 else rest  # component records: {kind, state}
+    return f"{_COMPONENTS[int(head)]}.{rest}" if rest else _COMPONENTS[int(head)]
+
+
+def _differs(expected: bytes, got: bytes) -> str:
+    """The keys where two TrainingRecord payloads differ, as `component.key`."""
+    r = NamedMpkBytesRecorder(_NATIVE)
+    _, diff, paths = compare_items(r.load_item(expected), r.load_item(got))
+    return ", ".join(_where(p) for p in paths[:5]) + f" (max difference {diff})" if paths else "the byte order"
+
+
+def _param_keyed(item: Item, ids: set[str]) -> dict[str, Item] | None:
+    """The first map in an optimizer record whose keys name parameters (ParamIds, or key
+    paths ending in one without its collection prefix)."""
+    tails = {i.split(".", 1)[1] for i in ids if "." in i}
+    if isinstance(item, dict):
+        if any(k in ids or any(k.endswith("." + t) for t in tails) for k in item):
+            return item
+        values: list[Item] = list(item.values())
+    elif isinstance(item, list):
+        values = list(item)
+    else:
+        return None
+    for v in values:
+        found = _param_keyed(v, ids)
+        if found is not None:
+            return found
+    return None
+
+
 def _save(recorder: Recorder, record: Any, tmp: Path) -> Any:
     if isinstance(recorder, NamedMpkBytesRecorder):
         return recorder.record(record, None)
@@ -95,33 +166,76 @@ class AdapterConformance:
     def parts(self, h: Harness) -> Parts:
         """A run in the middle of its second accumulation window: optimizer state exists
         and gradients are pending."""
-        parts = h.build(0)
-        _run(h, parts, h.window + 2)
-        return parts
+        return midway(h)
 
     # -- protocols and resolution ----------------------------------------------------------
 
     def test_protocol_objects(self, h: Harness, parts: Parts) -> None:
         m = adapt(parts.model)
-        assert isinstance(m, AutodiffModule), "contract: the model must adapt to an AutodiffModule"
-        assert isinstance(m.backend, AutodiffBackend), "contract: module.backend is an AutodiffBackend"
-        assert isinstance(adapt(parts.optimizer), Optimizer), "contract: the optimizer adapts to Optimizer"
+        _expect(isinstance(m, AutodiffModule), "model", "adapts to an AutodiffModule")
+        _expect(isinstance(m.backend, AutodiffBackend), "model.backend", "is an AutodiffBackend")
+        _expect(isinstance(adapt(parts.optimizer), Optimizer), "optimizer", "adapts to Optimizer")
         if parts.scheduler is not None:
-            assert isinstance(adapt(parts.scheduler), LrScheduler), \
-                "contract: the scheduler adapts to LrScheduler"
+            _expect(isinstance(adapt(parts.scheduler), LrScheduler), "scheduler", "adapts to LrScheduler")
         ids = list(m.param_ids())
-        assert ids == list(m.param_shapes()) and len(set(ids)) == len(ids), \
-            "contract: param_ids() are unique and ordered as param_shapes()"
+        _expect(ids == list(m.param_shapes()) and len(set(ids)) == len(ids), "model.param_ids",
+                "are unique and ordered as param_shapes()")
 
     def test_adapt_resolves_native_types(self, h: Harness, parts: Parts) -> None:
         for obj in h.native_objects(parts):
             try:
                 adapt(obj)
             except TypeError as e:
-                pytest.fail(f"contract: trainrec.adapt must resolve {type(obj).__qualname__}: {e}")
+                raise _broken(f"adapt.{type(obj).__qualname__}", f"trainrec.adapt resolves it: {e}") from e
         t = h.tensor(parts, np.zeros(2, np.float32))
-        assert adapt(t) is not None and adapt(type(t)) is not None, \
-            "contract: trainrec.adapt resolves the backend's tensors and tensor type"
+        _expect(adapt(t) is not None and adapt(type(t)) is not None, f"adapt.{type(t).__qualname__}",
+                "trainrec.adapt resolves the backend's tensors and tensor type")
+
+    # -- backend sentences (spec/ADAPTERS.md section 1) -------------------------------------
+
+    def test_device_rejects_devices_the_backend_does_not_have(self, h: Harness, parts: Parts) -> None:
+        backend = self.harness.backend(parts)
+        for spec in ("trainrec-no-such-device:7", object()):
+            _rejects(partial(backend.device, spec), "backend.device",
+                     f"raises ValueError for a device it does not have ({spec!r})", ValueError)
+
+    def test_to_host_returns_a_new_c_contiguous_array(self, h: Harness, parts: Parts) -> None:
+        backend = self.harness.backend(parts)
+        sample = _sample(DType.F32)
+        t = h.tensor(parts, sample)
+        for name, host in (("to_host", backend.to_host(t)),
+                           ("to_host_async", asyncio.run(backend.to_host_async(t)))):
+            _expect(isinstance(host, np.ndarray) and host.flags.c_contiguous, f"backend.{name}",
+                    "returns a C-contiguous numpy array")
+            _expect(host.flags.writeable, f"backend.{name}",
+                    "returns a new array: a read-only one is a view of live memory")
+            host[...] = 5.0
+            _expect(np.array_equal(backend.to_host(t), sample), f"backend.{name}",
+                    "returns a new array, never a view: writing into it changed the tensor")
+
+    def test_from_host_does_not_alias_the_array(self, h: Harness, parts: Parts) -> None:
+        backend = self.harness.backend(parts)
+        array = _sample(DType.F32)
+        t = backend.from_host(array, backend.device(h.device))
+        array[...] = 5.0
+        _expect(np.array_equal(backend.to_host(t), _sample(DType.F32)), "backend.from_host",
+                "returns a new tensor that does not alias the array")
+
+    def test_add_returns_the_sum_and_never_writes_into_grad(self, h: Harness, parts: Parts) -> None:
+        backend = self.harness.backend(parts)
+        ones = np.ones((3, 4), np.float32)
+        pending, grad = h.tensor(parts, ones), h.tensor(parts, 2 * ones)
+        out = backend.add(pending, grad)
+        _expect(np.array_equal(backend.to_host(grad), 2 * ones), "backend.add", "never writes into grad")
+        _expect(np.array_equal(backend.to_host(out), 3 * ones) and backend.dtype_of(out) is DType.F32,
+                "backend.add", "returns pending + grad in pending's dtype")
+
+    def test_clone_is_independent(self, h: Harness, parts: Parts) -> None:
+        backend = self.harness.backend(parts)
+        t = h.tensor(parts, _sample(DType.F32))
+        backend.add(backend.clone(t), h.tensor(parts, np.ones((3, 4), np.float32)))
+        _expect(np.array_equal(backend.to_host(t), _sample(DType.F32)), "backend.clone",
+                "a clone is independent: adding into it changed the original")
 
     # -- record round trips ----------------------------------------------------------------
 
@@ -134,7 +248,7 @@ class AdapterConformance:
         backend = self.harness.backend(parts)
         device = backend.device(h.device)
         t = h.tensor(parts, _sample(dtype))
-        assert backend.dtype_of(t) is dtype, f"contract: dtype_of gives {dtype.value}"
+        _expect(backend.dtype_of(t) is dtype, "backend.dtype_of", f"gives {dtype.value} for a {dtype.value} tensor")
         host = backend.to_host(t)
         for name, recorder in self._recorders(settings).items():
             record = StateRecord("t", {"t": TensorData.from_array(host, copy=False)})
@@ -142,14 +256,14 @@ class AdapterConformance:
             back = recorder.load(payload, device, StateRecord)
             loaded = back.item["t"]
             expected = settings.target(dtype)
-            assert loaded.dtype is expected, \
-                f"contract: {name} with {settings.name} precision stores {dtype.value} as {expected.value}"
+            _expect(loaded.dtype is expected, f"recorder {name}.t",
+                    f"with {settings.name} precision stores {dtype.value} as {expected.value}, "
+                    f"not {loaded.dtype.value}")
             # as a restore does: back into the live tensor's dtype, on the given device
             placed = backend.from_host(loaded.array.astype(dtype.numpy), device)
-            assert backend.device_of(placed) == device, "contract: from_host places on the given device"
-            np.testing.assert_array_equal(
-                backend.to_host(placed).astype(np.float64), _sample(dtype).astype(np.float64),
-                err_msg=f"contract: {name} round trip keeps the values")
+            _expect(backend.device_of(placed) == device, "backend.from_host", "places on the given device")
+            _expect(np.array_equal(backend.to_host(placed).astype(np.float64), _sample(dtype).astype(np.float64)),
+                    f"recorder {name}.t", f"a {dtype.value} round trip with {settings.name} keeps the values")
 
     def _recorders(self, settings: Any) -> dict[str, Recorder]:
         out: dict[str, Recorder] = {}
@@ -164,29 +278,28 @@ class AdapterConformance:
     def test_try_to_record_snapshots_without_resetting(self, h: Harness, parts: Parts) -> None:
         acc = parts.accumulator
         snap = acc.try_to_record()
-        assert snap.grads, "the harness fixture leaves gradients pending"
+        _expect(bool(snap.grads), "harness.micro_step", "accumulates gradients (the fixture leaves some pending)")
         before = {k: t.to_bytes() for k, t in snap.grads.items()}
         h.micro_step(parts)
-        assert {k: t.to_bytes() for k, t in snap.grads.items()} == before, \
-            "contract: a snapshot is a copy; accumulating later does not change it"
-        assert not acc.grads().is_empty(), \
-            "contract: try_to_record does not reset the accumulation window"
+        _expect({k: t.to_bytes() for k, t in snap.grads.items()} == before, "accumulator.try_to_record",
+                "a snapshot is a copy; accumulating later does not change it")
+        _expect(not acc.grads().is_empty(), "accumulator.try_to_record", "does not reset the accumulation window")
 
     def test_to_record_async_equals_try_to_record(self, parts: Parts) -> None:
         sync = parts.accumulator.try_to_record()
         asyn = asyncio.run(parts.accumulator.to_record_async())
-        assert sync.grads.keys() == asyn.grads.keys() and all(
-            sync.grads[k].bitwise_equal(asyn.grads[k]) for k in sync.grads), \
-            "contract: to_record_async gives the same contents as try_to_record"
-        assert parts.accumulator.pending_ids(), "contract: to_record_async does not reset"
+        _expect(sync.grads.keys() == asyn.grads.keys() and all(
+            sync.grads[k].bitwise_equal(asyn.grads[k]) for k in sync.grads), "accumulator.to_record_async",
+            "gives the same contents as try_to_record")
+        _expect(bool(parts.accumulator.pending_ids()), "accumulator.to_record_async", "does not reset")
 
     def test_grads_returns_the_sum_and_resets(self, parts: Parts) -> None:
         expected = parts.accumulator.try_to_record()
         g = parts.accumulator.grads()
         backend = adapt_module(parts.model).backend
-        assert {k: backend.to_host(v).tobytes() for k, v in g.items()} == \
-            {k: t.to_bytes() for k, t in expected.grads.items()}, "contract: grads() returns the sum"
-        assert parts.accumulator.grads().is_empty(), "contract: grads() resets the accumulator"
+        _expect({k: backend.to_host(v).tobytes() for k, v in g.items()} ==
+                {k: t.to_bytes() for k, t in expected.grads.items()}, "accumulator.grads", "returns the sum")
+        _expect(parts.accumulator.grads().is_empty(), "accumulator.grads", "resets the accumulator")
 
     def test_load_record_replaces_pending_on_the_device(self, h: Harness, parts: Parts) -> None:
         rec = parts.accumulator.try_to_record()
@@ -194,11 +307,12 @@ class AdapterConformance:
         fresh.load_record(rec, h.device)
         backend = adapt_module(parts.model).backend
         g = fresh.grads()
-        assert set(g) == set(rec.grads), "contract: load_record replaces the pending set"
+        _expect(set(g) == set(rec.grads), "accumulator.load_record", "replaces the pending set")
         for k, v in g.items():
-            assert backend.device_of(v) == backend.device(h.device), \
-                "contract: load_record places gradients on the given device"
-            assert backend.to_host(v).tobytes() == rec.grads[k].to_bytes()
+            _expect(backend.device_of(v) == backend.device(h.device), f"accumulator.load_record.{k}",
+                    "places gradients on the given device")
+            _expect(backend.to_host(v).tobytes() == rec.grads[k].to_bytes(), f"accumulator.load_record.{k}",
+                    "restores each pending gradient's bytes")
 
     def test_a_rejected_record_leaves_the_accumulator_unchanged(self, parts: Parts) -> None:
         acc = parts.accumulator
@@ -206,12 +320,12 @@ class AdapterConformance:
         bad = dict(acc.try_to_record().grads)
         first = next(iter(bad))
         bad[first] = TensorData.from_array(np.zeros(3, np.int32))  # not a float
-        with pytest.raises(RecorderError):
-            acc.load_record(GradientsParamsRecord(bad), self.harness.device)
-        with pytest.raises(RecorderError):
-            acc.load_record({"not": "a record"}, self.harness.device)  # type: ignore[arg-type]
-        assert {k: t.to_bytes() for k, t in acc.try_to_record().grads.items()} == before, \
-            "contract: a rejected record leaves the accumulator unchanged"
+        _rejects(lambda: acc.load_record(GradientsParamsRecord(bad), self.harness.device),
+                 f"accumulator.load_record.{first}", "raises RecorderError for an int gradient")
+        _rejects(lambda: acc.load_record({"not": "a record"}, self.harness.device),  # type: ignore[arg-type]
+                 "accumulator.load_record", "raises RecorderError for what is not a record")
+        _expect({k: t.to_bytes() for k, t in acc.try_to_record().grads.items()} == before,
+                "accumulator.load_record", "a rejected record leaves the accumulator unchanged")
 
     def test_f32_accumulation_retains_small_half_precision_additions(self, h: Harness, parts: Parts) -> None:
         if DType.F16 not in h.dtypes:
@@ -229,12 +343,14 @@ class AdapterConformance:
             wide.accumulate_with_dtype(parts.model, GradientsParams({pid: tiny}), FloatDType.F32)
         f16 = plain.try_to_record().grads[pid]
         f32 = wide.try_to_record().grads[pid]
-        assert f32.dtype is DType.F32, "contract: accumulate_with_dtype keeps pending in the given dtype"
-        assert float(f32.array.reshape(-1)[0]) > float(f16.array.reshape(-1)[0]), \
-            "contract: f32 accumulation retains additions that f16 accumulation loses"
+        _expect(f32.dtype is DType.F32, f"accumulator.accumulate_with_dtype.{pid}",
+                "keeps pending in the given dtype")
+        _expect(float(f32.array.reshape(-1)[0]) > float(f16.array.reshape(-1)[0]),
+                f"accumulator.accumulate_with_dtype.{pid}",
+                "f32 accumulation retains additions that f16 accumulation loses")
         r = NamedMpkBytesRecorder(FullPrecisionSettings())
         back = r.load(r.record(wide.try_to_record(), None), None, GradientsParamsRecord)
-        assert back.grads[pid].dtype is DType.F32, "contract: checkpoints preserve the pending dtype"
+        _expect(back.grads[pid].dtype is DType.F32, f"grads.{pid}", "checkpoints preserve the pending dtype")
 
     # -- TrainingRecord sentences ----------------------------------------------------------
 
@@ -244,17 +360,19 @@ class AdapterConformance:
                                         parts.accumulator, parts.state)
         r = NamedMpkBytesRecorder(_NATIVE)
         first = record.save(r)
-        assert parts.accumulator.pending_ids() == pending, "contract: capture clears no gradients"
+        _expect(parts.accumulator.pending_ids() == pending, "accumulator", "capture clears no gradients")
         _run(h, parts, h.window)
-        assert record.save(r) == first, "contract: capture copies; later training does not change it"
+        later = record.save(r)
+        _expect(later == first, "capture",
+                f"copies every component (into_record copies); later training changed {_differs(first, later)}")
 
     def test_capture_async_equals_capture(self, h: Harness, parts: Parts) -> None:
         h.before_capture(parts)
         args = (parts.model, parts.optimizer, parts.scheduler, parts.accumulator, parts.state)
         r = NamedMpkBytesRecorder(_NATIVE)
-        assert TrainingRecord.capture(*args).save(r) == \
-            asyncio.run(TrainingRecord.capture_async(*args)).save(r), \
-            "contract: capture_async records the same as capture"
+        sync = TrainingRecord.capture(*args).save(r)
+        asyn = asyncio.run(TrainingRecord.capture_async(*args)).save(r)
+        _expect(sync == asyn, "capture_async", f"records the same as capture; differs at {_differs(sync, asyn)}")
 
     def test_restore_is_exact_and_performs_no_step(self, h: Harness, parts: Parts) -> None:
         expected = _snapshot(h, parts)
@@ -264,11 +382,12 @@ class AdapterConformance:
         restored = record.restore(fresh.model, fresh.optimizer, fresh.scheduler, h.device)
         fresh.accumulator, fresh.state = restored.accumulator, restored.state
         h.after_restore(fresh)
-        assert _snapshot(h, fresh) == expected, \
-            "contract: restore reproduces every component exactly, with no optimizer step, " \
-            "scheduler step or gradient reset"
+        got = _snapshot(h, fresh)
+        _expect(got == expected, "restore", "reproduces every component exactly, with no optimizer step, "
+                f"scheduler step or gradient reset; differs at {_differs(expected, got)}")
 
     @pytest.mark.parametrize("damage", ["missing parameter", "wrong shape", "optimizer kind",
+                                        "optimizer state for an unknown parameter",
                                         "pending gradient for an unknown parameter"])
     def test_a_rejected_restore_changes_nothing(self, h: Harness, parts: Parts, damage: str) -> None:
         h.before_capture(parts)
@@ -286,16 +405,96 @@ class AdapterConformance:
             tensors[first] = TensorData.from_array(np.zeros((7, 3, 5), np.float32))
         elif damage == "optimizer kind":
             optimizer_i["kind"] = "not.the.same.optimizer"
+        elif damage == "optimizer state for an unknown parameter":
+            if not _with_unknown_param(optimizer_i["state"], adapt_module(parts.model).param_ids()):
+                pytest.skip("the optimizer record keys no state by ParamId the suite can find")
         else:
             grads_i["no.such.param"] = next(iter(grads_i.values()))
         bad = TrainingRecord.from_item(item, h.device, h.state_type)
         target = h.build(1)
         _run(h, target, h.window + 1)
         before = _snapshot(h, target)
-        with pytest.raises(RecorderError):
-            bad.restore(target.model, target.optimizer, target.scheduler, h.device)
-        assert _snapshot(h, target) == before, \
-            f"contract: a restore rejected for a {damage} leaves model, optimizer and scheduler unchanged"
+        component = "optimizer" if damage.startswith("optimizer") else \
+            "grads" if damage.startswith("pending") else "model"
+        _rejects(lambda: bad.restore(target.model, target.optimizer, target.scheduler, h.device),
+                 f"{component}.check_record", f"restore raises RecorderError for a {damage}")
+        after = _snapshot(h, target)
+        _expect(after == before, "restore", f"a restore rejected for a {damage} leaves model, optimizer and "
+                f"scheduler unchanged; changed {_differs(before, after)}")
+
+    @pytest.mark.parametrize("component", ["model", "optimizer", "scheduler"])
+    def test_check_record_rejects_what_does_not_fit_and_never_mutates(
+            self, h: Harness, parts: Parts, component: str) -> None:
+        m = adapt_module(parts.model)
+        live = {"model": m, "optimizer": adapt(parts.optimizer),
+                "scheduler": adapt(parts.scheduler) if parts.scheduler is not None else None}[component]
+        if live is None:
+            pytest.skip("the harness has no scheduler")
+
+        def check(record: Any) -> None:
+            if component == "optimizer":
+                live.check_record(record, m)
+            else:
+                live.check_record(record)
+
+        where = f"{component}.check_record"
+        other = h.build(1)
+        _run(h, other, h.window + 1)
+        h.before_capture(other)
+        fits = TrainingRecord.capture(other.model, other.optimizer, other.scheduler, other.accumulator,
+                                      other.state)
+        fitting: StateRecord = getattr(fits, component)
+        before = _snapshot(h, parts)
+        check(fitting)
+        after = _snapshot(h, parts)
+        _expect(after == before, where, f"never mutates; checking a record changed {_differs(before, after)}")
+        damaged: dict[str, StateRecord] = {
+            "another kind": StateRecord("not.the.same." + fitting.kind, fitting.item),
+            "a map of unknown keys": StateRecord(fitting.kind, {"no_such_key": 1}),
+        }
+        if component == "model":
+            tensors = dict(_tensor_map(fitting.item))
+            first = next(iter(tensors))
+            del tensors[first]
+            damaged[f"no {first}"] = StateRecord(fitting.kind, _with_tensor_map(fitting.item, tensors))
+            tensors[first] = TensorData.from_array(np.zeros((7, 3, 5), np.float32))
+            damaged[f"{first} of the wrong shape"] = StateRecord(fitting.kind,
+                                                                 _with_tensor_map(fitting.item, tensors))
+        if component == "optimizer":
+            item = _copy(fitting.item)
+            if _with_unknown_param(item, m.param_ids()):
+                damaged["state for an unknown parameter (no.such.param)"] = StateRecord(fitting.kind, item)
+        for what, record in damaged.items():
+            _rejects(partial(check, record), where, f"raises RecordMismatchError for a record with {what}",
+                     RecordMismatchError)
+            after = _snapshot(h, parts)
+            _expect(after == before, where, f"never mutates; rejecting {what} changed {_differs(before, after)}")
+
+    def test_optimizer_record_survives_another_parameter_order(self, h: Harness, parts: Parts) -> None:
+        fresh = h.build(1)
+        if not h.reorder(fresh):
+            pytest.skip(f"{h.name} keeps its parameters in one order")
+        ids = list(adapt_module(parts.model).param_ids())
+        new_ids = list(adapt_module(fresh.model).param_ids())
+        _expect(new_ids != ids and sorted(new_ids) == sorted(ids), "harness.reorder",
+                "gives the same parameters in another order")
+        h.before_capture(parts)
+        record = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler, parts.accumulator,
+                                        parts.state)
+        try:
+            restored = record.restore(fresh.model, fresh.optimizer, fresh.scheduler, h.device)
+        except RecorderError as e:
+            raise _broken("optimizer.load_record", "a record survives another parameter order (keyed "
+                          f"by ParamId, never by position); restoring it raised {e}") from e
+        fresh.accumulator, fresh.state = restored.accumulator, restored.state
+        h.after_restore(fresh)
+        _run(h, parts, h.window)
+        _run(h, fresh, h.window)
+        expected, got = _snapshot(h, parts), _snapshot(h, fresh)
+        r = NamedMpkBytesRecorder(_NATIVE)
+        _expect(compare_items(r.load_item(expected), r.load_item(got))[0],
+                "optimizer.into_record", "a record survives another parameter order (keyed by ParamId, "
+                f"never by position); training on from it differs at {_differs(expected, got)}")
 
     def test_save_refuses_lossy_precision(self, h: Harness, parts: Parts, tmp_path: Path) -> None:
         h.before_capture(parts)
@@ -304,8 +503,8 @@ class AdapterConformance:
         r = NamedMpkBytesRecorder(HalfPrecisionSettings())
         if first_lossy(rec.into_item(_NATIVE), r.settings) is None:
             pytest.skip("every value of this harness fits in half precision")
-        with pytest.raises(LossyPrecisionError):
-            rec.save(r)
+        _rejects(lambda: rec.save(r), "recorder.record", "a lossy save raises LossyPrecisionError",
+                 LossyPrecisionError)
 
     def test_corrupt_payloads_raise_recorder_errors(self, h: Harness, parts: Parts, tmp_path: Path) -> None:
         h.before_capture(parts)
@@ -317,8 +516,8 @@ class AdapterConformance:
             for cut in (0, 1, len(data) // 3, len(data) - 1):
                 damaged = data[:cut]
                 target: Any = damaged if isinstance(payload, bytes) else _write(tmp_path, damaged)
-                with pytest.raises(RecorderError):
-                    TrainingRecord.load(recorder, target, h.device, state_type=h.state_type)
+                _rejects(partial(TrainingRecord.load, recorder, target, h.device, state_type=h.state_type),
+                         f"recorder {name}.load", f"a payload cut at byte {cut} raises RecorderError")
             flipped = bytearray(data)
             flipped[len(data) // 2] ^= 0x40
             target = bytes(flipped) if isinstance(payload, bytes) else _write(tmp_path, bytes(flipped))
@@ -327,8 +526,8 @@ class AdapterConformance:
             except RecorderError:
                 pass
             except Exception as e:  # noqa: BLE001 - the contract is about the type
-                pytest.fail(f"contract: {name} must raise RecorderError for a damaged payload, "
-                            f"not {type(e).__name__}: {e}")
+                raise _broken(f"recorder {name}.load", "a damaged payload raises RecorderError, "
+                              f"not {type(e).__name__}: {e}") from e
 
     # -- exact continuation in a fresh process ---------------------------------------------
 
@@ -338,7 +537,7 @@ class AdapterConformance:
         if position >= h.window:
             pytest.skip("position beyond the harness's window")
         if not h.ref:
-            pytest.fail("contract: a harness needs `ref` ('module:attr') to run in a fresh process")
+            raise _broken("harness.ref", "a harness needs `ref` ('module:attr') to run in a fresh process")
         cache = type(self).__dict__.get("continuation_cache")
         if cache is None:
             cache = {}
@@ -347,17 +546,44 @@ class AdapterConformance:
             cache["results"] = _continuation(h, tmp_path_factory.mktemp(h.name))
         reference, resumed, dropped = cache["results"]
         exact, diff, paths = compare_items(reference, resumed[position])
-        assert exact, (f"contract: resuming at micro-step {position} of the window in a fresh "
-                       f"process is bitwise identical; differs at {paths[:5]} (max {diff})")
+        _expect(exact, ", ".join(_where(p) for p in paths[:5]), f"resuming at micro-step {position} of the "
+                f"window in a fresh process is bitwise identical; differs (max {diff})")
         if position == h.window // 2:
-            assert not compare_items(reference, dropped)[0], \
-                "the comparison must detect a resume that drops the pending gradients"
+            _expect(not compare_items(reference, dropped)[0], "grads",
+                    "the comparison detects a resume that drops the pending gradients")
 
     # -- spec test vectors -----------------------------------------------------------------
 
     def test_spec_vectors_load_bit_exactly(self) -> None:
         problems = check_vectors(core_only=True)
-        assert not problems, "contract: the spec test vectors load bit-exactly: " + "; ".join(problems)
+        _expect(not problems, "spec/vectors", "the golden files load bit-exactly: " + "; ".join(problems))
+
+
+def _copy(item: Item) -> Item:
+    if isinstance(item, dict):
+        return {k: _copy(v) for k, v in item.items()}
+    if isinstance(item, list):
+        return [_copy(v) for v in item]
+    return item
+
+
+def _with_tensor_map(state: Item, tensors: dict[str, Item]) -> Item:
+    if isinstance(state, dict) and isinstance(state.get("tensors"), dict):
+        return {**state, "tensors": tensors}
+    return tensors
+
+
+def _with_unknown_param(optimizer_state: Item, ids: Any) -> bool:
+    """Adds state for an unknown parameter (`no.such.param`) beside an existing
+    parameter's; False when the record keys no state by ParamId that the suite can find."""
+    known = set(ids)
+    keyed = _param_keyed(optimizer_state, known)
+    if keyed is None:
+        return False
+    key = next(k for k in keyed if k in known or any(k.endswith("." + i.split(".", 1)[-1]) for i in known))
+    tail = next((i.split(".", 1)[-1] for i in known if key != i and key.endswith("." + i.split(".", 1)[-1])), None)
+    keyed["no.such.param" if tail is None else key[: -len(tail)] + "no_such_param"] = keyed[key]
+    return True
 
 
 def _tensor_map(state: Item) -> dict[str, Item]:

@@ -1,0 +1,207 @@
+"""Mutation test of the conformance suite: broken variants of the numpy reference adapter,
+each breaking one documented requirement (spec/ADAPTERS.md, the contract sentences of
+core/protocols.py), must each fail the suite with a `contract:` message naming the
+component and key. The unbroken reference passes the same checks."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from trainrec import DType, StateRecord, TensorData
+from trainrec.adapters.numpy.backend import NumpyBackend
+from trainrec.adapters.numpy.demo import NumpyWorkload
+from trainrec.adapters.numpy.mlp import MLP
+from trainrec.adapters.numpy.optim import AdamW
+from trainrec.adapters.numpy.schedulers import LinearWarmupCosineLr
+from trainrec.conformance import AdapterConformance
+from trainrec.conformance.suite import midway
+
+# checks that run a fresh process or read spec files: the same for every mutant
+_NOT_PER_ADAPTER = {"test_exact_continuation_in_a_fresh_process", "test_spec_vectors_load_bit_exactly"}
+
+
+def _checks() -> list[tuple[str, dict[str, Any]]]:
+    """Every check of the suite, once per parameter combination, as pytest would run it."""
+    out = []
+    for name, fn in inspect.getmembers(AdapterConformance, inspect.isfunction):
+        if not name.startswith("test_") or name in _NOT_PER_ADAPTER:
+            continue
+        grids: list[list[dict[str, Any]]] = []
+        for mark in getattr(fn, "pytestmark", []):
+            if mark.name == "parametrize":
+                names = [n.strip() for n in mark.args[0].split(",")]
+                grids.append([dict(zip(names, v if len(names) > 1 else (v,))) for v in mark.args[1]])
+        for combo in itertools.product(*grids):
+            out.append((name, {k: v for d in combo for k, v in d.items()}))
+    return out
+
+
+def run_suite(harness: NumpyWorkload) -> list[tuple[str, str, str]]:
+    """The suite's checks run on `harness`: (check, "fail" or "error", message) of each that
+    did not pass."""
+    suite = type("Suite", (AdapterConformance,), {"harness": harness})()
+    failures = []
+    for name, params in _checks():
+        method = getattr(suite, name)
+        wanted = inspect.signature(method).parameters
+        with tempfile.TemporaryDirectory() as tmp:
+            fixtures = {"h": harness, "tmp_path": Path(tmp)}
+            if "parts" in wanted:
+                fixtures["parts"] = midway(harness)
+            try:
+                method(**{k: v for k, v in fixtures.items() if k in wanted}, **params)
+            except pytest.skip.Exception:
+                pass
+            except (AssertionError, pytest.fail.Exception) as e:
+                failures.append((f"{name}{params}", "fail", str(e)))
+            except Exception as e:  # noqa: BLE001 - reported, the test decides
+                failures.append((f"{name}{params}", "error", f"{type(e).__name__}: {e}"))
+    return failures
+
+
+# -- the broken variants -------------------------------------------------------------------
+
+
+def _backend(**methods: Any) -> type[MLP]:
+    backend = type("BrokenBackend", (NumpyBackend,), methods)
+    return type("MLPWithBrokenBackend", (MLP,), {"backend": property(lambda self: backend())})
+
+
+async def _view_async(self: Any, tensor: Any) -> Any:
+    return tensor
+
+
+def _add_into_grad(self: Any, pending: Any, grad: Any) -> Any:
+    np.add(pending, grad, out=grad)
+    return grad
+
+
+class _PositionalAdamW(AdamW):
+    """Keys per-parameter state by position in `param_ids()`, not by ParamId."""
+
+    def into_record(self, module: Any) -> StateRecord:
+        rec = super().into_record(module)
+        ids = list(module.param_ids())
+        item: Any = rec.item
+        return StateRecord(self.kind, {"hyper": item["hyper"],
+                                       "state": {str(ids.index(p)): e for p, e in item["state"].items()}})
+
+    def _checked(self, record: Any, module: Any) -> Any:
+        ids, item = list(module.param_ids()), record.item
+        state = {ids[int(k)] if k.isdigit() and int(k) < len(ids) else k: e for k, e in item["state"].items()}
+        return super()._checked(StateRecord(record.kind, {**item, "state": state}), module)
+
+
+class _LenientAdamW(AdamW):
+    """Drops state for ParamIds the model lacks instead of refusing it."""
+
+    def _checked(self, record: Any, module: Any) -> Any:
+        item = record.item
+        if isinstance(item, dict) and isinstance(item.get("state"), dict):
+            shapes = module.param_shapes()
+            item = {**item, "state": {k: e for k, e in item["state"].items() if k in shapes}}
+        return super()._checked(StateRecord(record.kind, item), module)
+
+
+def _no_check(self: Any, record: Any, *module: Any) -> None:
+    return None
+
+
+def _check_loads(self: MLP, record: Any) -> None:
+    self.load_record(record, "cpu")
+
+
+class _SteppingScheduler(LinearWarmupCosineLr):
+    def load_record(self, record: Any) -> None:
+        super().load_record(record)
+        self.count += 1
+
+
+def _shared_record(self: MLP) -> StateRecord:
+    return StateRecord(self.kind, {k: TensorData.from_array(v, copy=False) for k, v in self.params.items()})
+
+
+class Mutant(NumpyWorkload):
+    """The numpy reference workload with some classes replaced by broken ones."""
+
+    def __init__(self, name: str, model: type | None = None, optimizer: type | None = None,
+                 scheduler: type | None = None) -> None:
+        self.name, self.classes = name, (model, optimizer, scheduler)
+
+    def build(self, seed: int) -> Any:
+        parts = super().build(seed)
+        for obj, cls in zip((parts.model, parts.optimizer, parts.scheduler), self.classes):
+            if cls is not None:
+                obj.__class__ = cls
+        return parts
+
+
+MUTANTS = {
+    "device() accepts an unknown device": (
+        Mutant("device", model=_backend(device=lambda self, spec: "cpu")), r"contract: backend\.device: "),
+    "to_host returns a view": (
+        Mutant("to_host", model=_backend(to_host=lambda self, t: np.asarray(t))), r"contract: backend\.to_host: "),
+    "to_host returns Fortran order": (
+        Mutant("fortran", model=_backend(to_host=lambda self, t: np.asfortranarray(np.array(t, copy=True)))),
+        r"contract: backend\.to_host: returns a C-contiguous"),
+    "to_host_async returns a view": (
+        Mutant("to_host_async", model=_backend(to_host_async=_view_async)), r"contract: backend\.to_host_async: "),
+    "from_host aliases the array": (
+        Mutant("from_host", model=_backend(from_host=lambda self, a, d: a)), r"contract: backend\.from_host: "),
+    "add writes into grad": (
+        Mutant("add", model=_backend(add=_add_into_grad)), r"contract: backend\.add: never writes into grad"),
+    "clone returns the same mutable array": (
+        Mutant("clone", model=_backend(clone=lambda self, t: t)), r"contract: backend\.clone: "),
+    "dtype_of says f32 for everything": (
+        Mutant("dtype_of", model=_backend(dtype_of=lambda self, t: DType.F32)), r"contract: backend\.dtype_of: "),
+    "param_ids lists a parameter twice": (
+        Mutant("param_ids", model=type("M", (MLP,), {"param_ids": lambda self: [*self.params, "layers.0.bias"]})),
+        r"contract: model\.param_ids: "),
+    "optimizer state keyed by position": (
+        Mutant("positional", optimizer=_PositionalAdamW),
+        r"contract: optimizer\.(load_record|into_record): a record survives another parameter order"),
+    "optimizer state for an unknown ParamId accepted": (
+        Mutant("lenient", optimizer=_LenientAdamW),
+        r"contract: optimizer\.check_record: .*unknown parameter"),
+    "model check_record checks nothing": (
+        Mutant("model-check", model=type("M", (MLP,), {"check_record": _no_check})),
+        r"contract: model\.check_record: raises RecordMismatchError"),
+    "optimizer check_record checks nothing": (
+        Mutant("optimizer-check", optimizer=type("O", (AdamW,), {"check_record": _no_check})),
+        r"contract: optimizer\.check_record: raises RecordMismatchError"),
+    "scheduler check_record checks nothing": (
+        Mutant("scheduler-check", scheduler=type("S", (LinearWarmupCosineLr,), {"check_record": _no_check})),
+        r"contract: scheduler\.check_record: raises RecordMismatchError"),
+    "model check_record writes the record": (
+        Mutant("check-mutates", model=type("M", (MLP,), {"check_record": _check_loads})),
+        r"contract: model\.check_record: never mutates; checking a record changed model\."),
+    "scheduler load_record steps": (
+        Mutant("load-steps", scheduler=_SteppingScheduler), r"contract: restore: .*scheduler\.count"),
+    "model into_record shares live memory": (
+        Mutant("shared", model=type("M", (MLP,), {"into_record": _shared_record})),
+        r"contract: capture: copies every component .*model\.layers\."),
+}
+
+
+def test_the_reference_adapter_passes_every_check():
+    assert len(_checks()) > 50
+    assert run_suite(NumpyWorkload()) == []
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_every_broken_adapter_fails_the_suite(name):
+    harness, expected = MUTANTS[name]
+    failures = run_suite(harness)
+    assert any(kind == "fail" and re.match(expected, message) for _, kind, message in failures), \
+        f"{name}: no failure matches {expected!r}; failures: {failures}"
+    unnamed = [(check, message) for check, kind, message in failures
+               if kind == "fail" and not message.startswith("contract: ")]
+    assert not unnamed, f"failure messages must start with 'contract: ': {unnamed}"
