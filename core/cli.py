@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     con.add_argument("--template", help="record file of the target framework (for --to torch|jax)")
     con.add_argument("--map", help="JSON rules file: {\"rules\": [{\"match\", \"replace\", \"transform\"}]}")
     con.add_argument("--force", action="store_true", help="convert even where the optimizer maths differ")
+    con.add_argument("--lr", type=float, nargs="+", metavar="RATE",
+                     help="the learning rate at the record's schedule position (one, or one per "
+                          "param group): needed for a torch target whose scheduler computes it")
     con.add_argument("--drop-rng", action="store_true", help="drop framework RNG states (not convertible)")
     con.add_argument("--json", action="store_true")
 
@@ -378,7 +381,9 @@ def _convert(args: argparse.Namespace) -> int:
                       file=sys.stderr)
                 return 2
             rules = load_rules(args.map) if args.map else None
-            converted = convert(source, template, rules=rules, force=args.force, drop_rng=args.drop_rng)
+            lr = None if args.lr is None else args.lr[0] if len(args.lr) == 1 else args.lr
+            converted = convert(source, template, rules=rules, force=args.force,
+                                drop_rng=args.drop_rng, lr=lr)
             converted.save(_recorder_for(args.dst), args.dst)
             summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,
                        "parameters": sum(1 for _ in iter_tensors(converted.model.item)),

@@ -421,6 +421,34 @@ def test_jax_schedule_inside_optax_resumes_in_torch_at_its_position():
     assert forced.scheduler.item["last_epoch"] == position  # the position, the template's rate
 
 
+def test_cli_convert_takes_the_rate_at_the_schedule_position(tmp_path):
+    """`trainrec convert --lr`: the same record as `convert(..., lr=)`; without it, exit 4."""
+    import subprocess
+    import sys
+
+    x, y = batches("mlp-adamw")
+    src = JaxRun("mlp-adamw", tx=scheduled_tx())
+    src.train(0, K, x, y)
+    native = trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings())
+    src.record(K).save(native, tmp_path / "src.mpk")
+    template = scheduled_torch(seed=1).record(0)
+    template.save(native, tmp_path / "template.mpk")
+    rate = float(SCHEDULE(K // WINDOW))
+
+    def cli(*extra):
+        return subprocess.run([sys.executable, "-m", "trainrec", "convert", str(tmp_path / "src.mpk"),
+                               str(tmp_path / "dst.mpk"), "--to", "torch", "--template",
+                               str(tmp_path / "template.mpk"), *extra], capture_output=True, text=True)
+
+    refused = cli()
+    assert refused.returncode == 4 and "lr" in refused.stderr, refused.stderr
+    done = cli("--lr", repr(rate))
+    assert done.returncode == 0, done.stderr
+    expected = convert(via_file(src.record(K)), template, lr=rate)
+    r = NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())
+    assert TrainingRecord.load(native, tmp_path / "dst.mpk").save(r) == expected.save(r)
+
+
 def test_torch_scheduler_position_resumes_in_optax():
     x, y = batches("mlp-adamw")
     ref = scheduled_torch()
