@@ -141,9 +141,9 @@ class AdapterConformance:
             payload = _save(recorder, record, tmp_path)
             back = recorder.load(payload, device, StateRecord)
             loaded = back.item["t"]
-            expected = settings.target(dtype)
-            assert loaded.dtype is expected, \
-                f"contract: {name} with {settings.name} precision stores {dtype.value} as {expected.value}"
+            assert loaded.dtype is dtype, \
+                f"contract: {name} with {settings.name} precision loads a {dtype.value} tensor as " \
+                f"{loaded.dtype.value} (settings choose only the storage dtype)"
             # as a restore does: back into the live tensor's dtype, on the given device
             placed = backend.from_host(loaded.array.astype(dtype.numpy), device)
             assert backend.device_of(placed) == device, "contract: from_host places on the given device"
