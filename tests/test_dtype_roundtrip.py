@@ -193,3 +193,19 @@ def test_jax_key_in_default_recorder_restores(tmp_path):
     back = DefaultRecorder().load(path, None, State)
     assert back.key.dtype == np.uint32
     assert np.array_equal(np.asarray(jax.random.split(back.key)), np.asarray(jax.random.split(key)))
+
+
+def test_save_checks_each_tensor_in_the_writers_cast_reading_it_once():
+    reads = []
+
+    def loader():
+        reads.append(1)
+        return np.array([0.5, 1.5, 2.0], np.float64)
+
+    lazy = TensorData(DType.F64, (3,), loader)
+    rec = trainrec.TrainingRecord.from_item(
+        [{"kind": "m", "state": {"w": lazy}}, {"kind": "o", "state": {}}, None, {}, None])
+    data = rec.save(NamedMpkBytesRecorder(FullPrecisionSettings()))
+    assert len(reads) == 1 and not lazy.is_loaded  # no separate pass that loads and keeps it
+    back = NamedMpkBytesRecorder().load_item(data)[0]["state"]["w"]
+    assert back.dtype is DType.F64 and back.array.tolist() == [0.5, 1.5, 2.0]
