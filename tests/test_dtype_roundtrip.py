@@ -209,3 +209,39 @@ def test_save_checks_each_tensor_in_the_writers_cast_reading_it_once():
     assert len(reads) == 1 and not lazy.is_loaded  # no separate pass that loads and keeps it
     back = NamedMpkBytesRecorder().load_item(data)[0]["state"]["w"]
     assert back.dtype is DType.F64 and back.array.tolist() == [0.5, 1.5, 2.0]
+
+
+def test_mmap_loads_restore_the_saved_dtype_lazily_and_still_verify(tmp_path):
+    w = TensorData.from_array(np.arange(64, dtype=np.float64) / 4)
+    path = NamedMpkFileRecorder(HalfPrecisionSettings()).save_item({"w": w}, tmp_path / "m.mpk")
+    back = NamedMpkFileRecorder().load_item(path, mmap=True)["w"]
+    assert back.dtype is DType.F64 and not back.is_loaded
+    assert back.bitwise_equal(w)
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(np.float16(15.75).tobytes())] ^= 1  # one stored payload byte
+    path.write_bytes(bytes(raw))
+    damaged = NamedMpkFileRecorder().load_item(path, mmap=True)["w"]
+    with pytest.raises(trainrec.ChecksumError):
+        damaged.array  # noqa: B018
+
+
+@pytest.mark.parametrize("kind", ["torch", "flax"])
+def test_an_envelope_dtype_table_that_does_not_fit_is_corrupt(kind, tmp_path):
+    recorder = _recorder(kind, FullPrecisionSettings())
+    path = recorder.save_item({"w": TensorData.from_array(np.array([1.5], np.float64))},
+                              tmp_path / "e")
+    for table, match in [({"nope": "f64"}, "does not match"), ({"w": "u64"}, "never stored")]:
+        if kind == "torch":
+            import torch
+
+            doc = torch.load(path, weights_only=True)
+            assert doc["dtypes"] == {"w": "f64"}
+            torch.save({**doc, "dtypes": table}, tmp_path / "bad")
+        else:
+            import msgpack
+
+            doc = msgpack.unpackb(path.read_bytes())
+            assert doc["dtypes"] == {"w": "f64"}
+            (tmp_path / "bad").write_bytes(msgpack.packb({**doc, "dtypes": table}))
+        with pytest.raises(trainrec.CorruptRecordError, match=match):
+            recorder.load_item(tmp_path / "bad")
