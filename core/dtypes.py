@@ -48,6 +48,12 @@ class DType(enum.Enum):
     def is_int(self) -> bool:
         return self in _INTS
 
+    @property
+    def is_signed_int(self) -> bool:
+        """i8 to i64: the ints precision settings may store in another dtype (unsigned ints
+        and bools are bit patterns, always kept)."""
+        return self in _SIGNED_INTS
+
     @classmethod
     def from_code(cls, code: object) -> DType:
         """The dtype named by a file code; raises `ValueError` for anything else."""
@@ -98,6 +104,5 @@ _NUMPY: dict[DType, np.dtype[np.generic]] = {
     DType.BOOL: np.dtype("?"),
 }
 _FLOATS = frozenset({DType.F64, DType.F32, DType.F16, DType.BF16})
-_INTS = frozenset(
-    {DType.I64, DType.I32, DType.I16, DType.I8, DType.U8, DType.U16, DType.U32, DType.U64}
-)
+_SIGNED_INTS = frozenset({DType.I64, DType.I32, DType.I16, DType.I8})
+_INTS = _SIGNED_INTS | {DType.U8, DType.U16, DType.U32, DType.U64}

@@ -1,9 +1,11 @@
 """The trainrec header and checksum table carried by formats other than NamedMpk.
 
 Adapters' recorders (`.pt`, flax `.msgpack`) store a record as a plain map:
-`{"format", "version", "trainrec", "settings", "record", "item", "checksums"}`, where
-`checksums` maps each tensor's key path to the CRC-32 of its bytes. These helpers build
-and check that map, so every such recorder validates the same way.
+`{"format", "version", "trainrec", "settings", "record", "item", "checksums", "dtypes"}`,
+where `checksums` maps each tensor's key path to the CRC-32 of its stored bytes and
+`dtypes` (since version 1.1) maps the key path of each tensor that precision settings
+stored in another dtype to the dtype it was saved with. These helpers build and check
+those maps, so every such recorder validates the same way.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import numpy as np
 
 from ._version import __version__
 from .checksum import crc32
+from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .format import Header
-from .items import Item, iter_tensors
-from .precision import settings_by_name
+from .items import Item, iter_tensors, map_tensors
+from .precision import restore_tensor, settings_by_name
 from .protocols import PrecisionSettings
 from .tensor import TensorData
 
-__all__ = ["header_fields", "parse_header", "crc_of", "verify_checksums", "path_arg"]
+__all__ = ["header_fields", "parse_header", "crc_of", "verify_checksums", "restore_dtypes",
+           "path_arg"]
 
 
 def header_fields(fmt: str, version: tuple[int, int], settings: PrecisionSettings,
@@ -86,6 +90,29 @@ def verify_checksums(item: Item, checksums: Any, source: str) -> None:
         if got != checksums[key]:
             raise ChecksumError(f"tensor checksum mismatch (stored {checksums[key]!r}, computed "
                                 f"{got:#010x})", source=source, key=f"item.{key}")
+
+
+def restore_dtypes(item: Item, dtypes: Any, source: str) -> Item:
+    """`item` with every tensor the `dtypes` table lists back in the dtype it was saved
+    with (`dtypes` None: a version 1.0 file, tensors as stored). Raises
+    `CorruptRecordError` for a table that names no tensor or a dtype no setting stores
+    that way."""
+    if dtypes is None:
+        return item
+    tensors = dict(iter_tensors(item))
+    if not isinstance(dtypes, dict) or not set(dtypes) <= set(tensors):
+        raise CorruptRecordError("the dtype table does not match the tensors", source=source,
+                                 key="dtypes")
+
+    def back(key: str, t: TensorData) -> TensorData:
+        if key not in dtypes:
+            return t
+        try:
+            return restore_tensor(t, DType.from_code(dtypes[key]))
+        except ValueError as e:
+            raise CorruptRecordError(str(e), source=source, key=f"dtypes.{key}") from None
+
+    return map_tensors(item, back)
 
 
 def path_arg(args: Any) -> Path:

@@ -56,4 +56,9 @@ class RecordMismatchError(RecorderError):
 
 
 class LossyPrecisionError(RecorderError):
-    """The recorder's precision settings would change a stored value."""
+    """The recorder's precision settings would change a stored value. `reason` is the
+    message without the file and key."""
+
+    def __init__(self, message: str, *, source: str = "", key: str = "") -> None:
+        self.reason = message
+        super().__init__(message, source=source, key=key)

@@ -25,7 +25,7 @@ from .checksum import crc32
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .items import TENSOR_KEY, Item, check_item, join_key
-from .precision import Precision, convert_tensor, settings_by_name
+from .precision import Precision, restorable, restore_tensor, settings_by_name, store_tensor
 from .protocols import PrecisionSettings
 from .tensor import TensorData
 
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "trainrec.namedmpk"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
 ALIGNMENT = 64
 CHUNK_BYTES = 2**31
 """Payloads longer than this are written as an array of `bin` chunks (bin32 holds < 4 GiB)."""
@@ -79,11 +79,17 @@ class _Writer:
     """Writes a document to `out`. `dry`: writes only the structure, with every checksum
     at its longest encoding and payloads counted, never read, so `pos` ends at an upper
     bound of the real document's size (alignment padding only shrinks with shorter
-    checksums)."""
+    checksums). Each tensor is stored as `store_tensor` says (checked unless
+    `allow_lossy`; `recorder` is named in the error)."""
 
-    def __init__(self, out: _Sink, settings: PrecisionSettings, dry: bool = False) -> None:
+    def __init__(
+        self, out: _Sink, settings: PrecisionSettings, dry: bool = False, *,
+        allow_lossy: bool = False, recorder: str = "NamedMpkFileRecorder",
+    ) -> None:
         self._out = out
         self._settings = settings
+        self._allow_lossy = allow_lossy
+        self._recorder = recorder
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         self._dry = dry
         self.pos = 0
@@ -101,30 +107,39 @@ class _Writer:
     def checksum(self, crc: int) -> None:
         self.value(_LONGEST_CRC if self._dry else crc)
 
-    def item(self, item: Item) -> None:
+    def item(self, item: Item, key: str = "") -> None:
         if isinstance(item, TensorData):
+            target = self._settings.target(item.dtype)
+            saved = None if target is item.dtype else item.dtype
             if self._dry:
-                self.tensor(self._settings.target(item.dtype), item.shape, None)
+                self.tensor(target, item.shape, None, saved)
             else:
-                t = convert_tensor(item, self._settings)
-                self.tensor(t.dtype, t.shape, t.read().reshape(-1).view(np.uint8))
+                t = store_tensor(item, self._settings, key=key, allow_lossy=self._allow_lossy,
+                                 recorder=self._recorder)
+                self.tensor(t.dtype, t.shape, t.read().reshape(-1).view(np.uint8), saved)
         elif isinstance(item, dict):
             self.raw(self._packer.pack_map_header(len(item)))
             for k, v in item.items():
                 self.value(k)
-                self.item(v)
+                self.item(v, join_key(key, k))
         elif isinstance(item, list):
             self.raw(self._packer.pack_array_header(len(item)))
-            for v in item:
-                self.item(v)
+            for i, v in enumerate(item):
+                self.item(v, join_key(key, i))
         else:
             self.value(item)
 
-    def tensor(self, dtype: DType, shape: tuple[int, ...], flat: np.ndarray[Any, Any] | None) -> None:
+    def tensor(
+        self, dtype: DType, shape: tuple[int, ...], flat: np.ndarray[Any, Any] | None,
+        saved: DType | None = None,
+    ) -> None:
         n = math.prod(shape) * dtype.itemsize if flat is None else flat.nbytes
-        self.raw(self._packer.pack_map_header(5))
+        self.raw(self._packer.pack_map_header(5 if saved is None else 6))
         self.value(TENSOR_KEY)
         self.value(dtype.value)
+        if saved is not None:
+            self.value("dtype")
+            self.value(saved.value)
         self.value("shape")
         self.value(list(shape))
         chunks = [(i, min(n, i + CHUNK_BYTES)) for i in range(0, n, CHUNK_BYTES)] or [(0, 0)]
@@ -186,13 +201,16 @@ def _bin32_header(n: int) -> bytes:
 
 
 def write_document(
-    out: _Sink, item: Item, settings: PrecisionSettings, record_type: str
+    out: _Sink, item: Item, settings: PrecisionSettings, record_type: str, *,
+    allow_lossy: bool = False, recorder: str = "NamedMpkFileRecorder",
 ) -> None:
     """Write `item` as one NamedMpk document to `out`, converting each tensor as
     `settings` say while it is written. Raises `CorruptRecordError` for a malformed item
-    before anything is written."""
+    before anything is written, and `LossyPrecisionError` (naming the tensor and
+    `recorder`) when `settings` would change a value, unless `allow_lossy`."""
     check_item(item)
-    _write(_Writer(out, settings), item, settings, record_type)
+    _write(_Writer(out, settings, allow_lossy=allow_lossy, recorder=recorder), item, settings,
+           record_type)
 
 
 def document_size_bound(item: Item, settings: PrecisionSettings, record_type: str) -> int:
@@ -381,8 +399,10 @@ class _Parser:
             fields[k] = self.value(key, depth + 1, spans=k == "data")
         try:
             dtype = DType.from_code(fields[TENSOR_KEY])
+            saved = DType.from_code(fields.get("dtype", dtype.value))
         except ValueError:
-            raise self.fail(f"unknown dtype {fields[TENSOR_KEY]!r}", key) from None
+            raise self.fail(f"unknown dtype {fields[TENSOR_KEY]!r} or {fields.get('dtype')!r}",
+                            key) from None
         shape = fields.get("shape")
         if (
             not isinstance(shape, list)
@@ -414,6 +434,11 @@ class _Parser:
             self.check_crc(spans, crc, key)  # now, piece by piece, while later bytes arrive
             verified = True
         t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified))
+        if saved is not dtype:  # stored in another dtype by precision settings (since 1.1)
+            if not restorable(dtype, saved):
+                raise self.fail(f"a {saved.value} tensor is never stored as {dtype.value}", key)
+            stored = t
+            t = TensorData(saved, stored.shape, lambda: restore_tensor(stored, saved).read())
         if self.eager:
             t.array  # noqa: B018 - materialize the (verified) view
         return t

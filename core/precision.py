@@ -1,16 +1,25 @@
-"""Precision settings: which dtype float and int tensors are stored in.
+"""Precision settings: which dtype float and signed int tensors are stored in.
 
 As in Burn, `Full` stores f32/i32, `Half` f16/i16 and `Double` f64/i64; `Native` keeps
-every tensor's own dtype. Scalars and bool tensors are never converted.
+every tensor's own dtype. Settings choose the *storage* dtype only: a recorder records
+each tensor's own dtype next to it and a load gives it back in that dtype. Unsigned ints
+and bools are bit patterns (RNG states and keys, masks) and scalars are not tensors:
+no setting converts them.
+
+A recorder stores a tensor with `store_tensor`, which checks by value, in the same pass
+as the cast, that the stored dtype holds every element (`LossyPrecisionError`
+otherwise), and loads it with `restore_tensor`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .dtypes import DType
+from .errors import LossyPrecisionError
 from .items import Item, iter_tensors, map_tensors
 from .protocols import PrecisionSettings
 from .tensor import TensorData
@@ -24,6 +33,8 @@ __all__ = [
     "settings_by_name",
     "convert_tensor",
     "convert_item",
+    "store_tensor",
+    "restore_tensor",
     "is_lossless",
     "first_lossy",
 ]
@@ -31,7 +42,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Precision:
-    """Concrete `PrecisionSettings`: target dtypes for float and int tensors (`None`: keep).
+    """Concrete `PrecisionSettings`: storage dtypes for float and signed int tensors
+    (`None`: keep).
 
     Adapters may define their own instances (e.g. bf16 floats); `name` identifies the
     settings in file headers.
@@ -48,17 +60,18 @@ class Precision:
             raise ValueError(f"int_dtype must be an int dtype, got {self.int_dtype}")
 
     def target(self, dtype: DType) -> DType:
-        """The dtype a tensor of `dtype` is stored in under these settings."""
+        """The dtype a tensor of `dtype` is stored in under these settings (unsigned ints
+        and bools: always their own)."""
         if dtype.is_float and self.float_dtype is not None:
             return self.float_dtype
-        if dtype.is_int and self.int_dtype is not None:
+        if dtype.is_signed_int and self.int_dtype is not None:
             return self.int_dtype
         return dtype
 
 
 @dataclass(frozen=True)
 class FullPrecisionSettings(Precision):
-    """Floats as f32, ints as i32."""
+    """Floats as f32, signed ints as i32."""
 
     name: str = "full"
     float_dtype: DType | None = DType.F32
@@ -67,7 +80,7 @@ class FullPrecisionSettings(Precision):
 
 @dataclass(frozen=True)
 class HalfPrecisionSettings(Precision):
-    """Floats as f16, ints as i16."""
+    """Floats as f16, signed ints as i16."""
 
     name: str = "half"
     float_dtype: DType | None = DType.F16
@@ -76,7 +89,7 @@ class HalfPrecisionSettings(Precision):
 
 @dataclass(frozen=True)
 class DoublePrecisionSettings(Precision):
-    """Floats as f64, ints as i64."""
+    """Floats as f64, signed ints as i64."""
 
     name: str = "double"
     float_dtype: DType | None = DType.F64
@@ -111,30 +124,79 @@ def settings_by_name(name: str, float_code: str | None, int_code: str | None) ->
 
 
 def convert_tensor(t: TensorData, settings: PrecisionSettings) -> TensorData:
+    """`t` in its storage dtype under `settings`, unchecked (see `store_tensor`)."""
     return t.cast(settings.target(t.dtype))
 
 
 def convert_item(item: Item, settings: PrecisionSettings) -> Item:
-    """A tree with every float and int tensor converted as `settings` say."""
+    """A tree with every float and signed int tensor converted as `settings` say."""
     return map_tensors(item, lambda _, t: convert_tensor(t, settings))
 
 
-def is_lossless(t: TensorData, target: DType) -> bool:
-    """True when storing `t` as `target` and reading it back gives the same values.
+_CHUNK = 1 << 20
+"""Elements cast and checked at a time: the check's temporaries stay small."""
 
-    Float rounding, overflow to inf, int overflow and float->int truncation all count as
+
+def store_tensor(
+    t: TensorData, settings: PrecisionSettings, *, key: str = "", allow_lossy: bool = False,
+    recorder: str = "NamedMpkFileRecorder",
+) -> TensorData:
+    """`t` in the dtype `settings` store it in (`t` itself when that is its own).
+
+    Every element is checked by value while it is cast (one pass over `t`): raises
+    `LossyPrecisionError` naming `key`, the first element that would change and the
+    recorder (`recorder` with `NativePrecisionSettings()`) that keeps it, unless
+    `allow_lossy=True`.
+    """
+    target = settings.target(t.dtype)
+    if target is t.dtype:
+        return t
+    src = t.read().reshape(-1)
+    out = np.empty(src.shape, target.numpy)
+    with np.errstate(all="ignore"):  # overflow is what the check detects
+        for at in range(0, src.size, _CHUNK):
+            piece = src[at : at + _CHUNK]
+            out[at : at + _CHUNK] = piece.astype(target.numpy)
+            if allow_lossy:
+                continue
+            bad = np.flatnonzero(_changed(piece, out[at : at + _CHUNK], t.dtype, target))
+            if bad.size:
+                i = at + int(bad[0])
+                raise _lossy(t, target, settings, i, src[i], out[i], key, recorder)
+    return TensorData.from_array(out.reshape(t.shape), copy=False)
+
+
+def restore_tensor(t: TensorData, saved: DType) -> TensorData:
+    """A stored tensor back in the dtype it was saved with. Raises `ValueError` when no
+    precision setting stores a `saved` tensor as `t.dtype` (floats stay floats, signed ints
+    ints; unsigned ints and bools are never converted)."""
+    if not restorable(t.dtype, saved):
+        raise ValueError(f"a {saved.value} tensor is never stored as {t.dtype.value}")
+    return t.cast(saved)
+
+
+def restorable(stored: DType, saved: DType) -> bool:
+    """Whether precision settings may store a tensor of dtype `saved` as `stored`."""
+    if stored is saved:
+        return True
+    return (saved.is_float and stored.is_float) or (saved.is_signed_int and stored.is_int)
+
+
+def is_lossless(t: TensorData, target: DType) -> bool:
+    """True when storing `t` as `target` keeps every value, compared by value (not after
+    a cast back, which hides int wrap-around): float rounding, overflow to inf,
+    underflow, ints out of range and non-integral floats stored as ints all count as
     lossy; NaN payloads do not (a NaN stays a NaN). Signed zeros are preserved by casts.
     """
     if target is t.dtype:
         return True
-    src = t.array
-    with np.errstate(all="ignore"):  # overflow is what we are detecting
-        back = src.astype(target.numpy).astype(src.dtype)
-    if t.dtype.is_float:
-        same = (back == src) | (np.isnan(back) & np.isnan(src))
-    else:
-        same = back == src
-    return bool(np.all(same))
+    src = t.read().reshape(-1)
+    with np.errstate(all="ignore"):
+        for at in range(0, src.size, _CHUNK):
+            piece = src[at : at + _CHUNK]
+            if _changed(piece, piece.astype(target.numpy), t.dtype, target).any():
+                return False
+    return True
 
 
 def first_lossy(item: Item, settings: PrecisionSettings) -> str | None:
@@ -143,3 +205,57 @@ def first_lossy(item: Item, settings: PrecisionSettings) -> str | None:
         if not is_lossless(t, settings.target(t.dtype)):
             return path
     return None
+
+
+def _bounds(d: DType) -> tuple[int, int]:
+    if d is DType.BOOL:
+        return 0, 1
+    info = np.iinfo(d.numpy)  # type: ignore[type-var]  # an int dtype here
+    return int(info.min), int(info.max)
+
+
+_Array = np.ndarray[Any, Any]
+
+
+def _changed(src: _Array, out: _Array, s: DType, d: DType) -> _Array:
+    """Mask of the elements of `src` (dtype `s`) whose value `out` (`src` cast to `d`)
+    does not hold. Every comparison is exact: f16, bf16 and f32 widen to f64 exactly, and
+    ints are compared as ints."""
+    changed: _Array
+    if s is DType.BOOL:  # 0 and 1 fit every dtype
+        changed = np.zeros(src.shape, bool)
+    elif s.is_float and d.is_float:
+        a, b = src.astype(np.float64), out.astype(np.float64)
+        changed = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+    elif s.is_float:  # to an int or bool: finite, integral and in range
+        a = src.astype(np.float64)
+        lo, hi = _bounds(d)
+        changed = ~(np.isfinite(a) & (a == np.floor(a)) & (a >= float(lo)) & (a < float(hi + 1)))
+    elif not d.is_float:  # int to int or bool: in range, checked before any wrap-around
+        lo, hi = max(_bounds(d)[0], _bounds(s)[0]), min(_bounds(d)[1], _bounds(s)[1])
+        kind = src.dtype.type
+        changed = (src < kind(lo)) | (src > kind(hi))
+    else:  # int to float: the float is that very integer (the bounds are exact floats)
+        slo, shi = _bounds(s)
+        f = out.astype(np.float64)
+        ok = np.isfinite(f) & (f >= float(slo)) & (f < float(shi + 1))
+        back = np.where(ok, f, 0.0).astype(src.dtype)
+        changed = ~(ok & (back == src))
+    return changed
+
+
+def _lossy(
+    t: TensorData, target: DType, settings: PrecisionSettings, index: int, value: Any,
+    stored: Any, key: str, recorder: str,
+) -> LossyPrecisionError:
+    at = [int(i) for i in np.unravel_index(index, t.shape)] if t.shape else []
+    as_number = float if t.dtype.is_float else int
+    becomes = float(stored) if target.is_float else int(stored)
+    message = (
+        f"{settings.name} precision stores this {t.dtype.value} tensor as {target.value}, "
+        f"which changes its values: element {at} is {as_number(value)!r} and would be stored "
+        f"as {becomes!r}; {recorder}(NativePrecisionSettings()) keeps every dtype"
+    )
+    if t.dtype.is_float and target.is_float:
+        message += ", or allow_lossy=True stores the rounded values"
+    return LossyPrecisionError(message, key=key)

@@ -38,10 +38,11 @@ ParamId = str
 
 @runtime_checkable
 class PrecisionSettings(Protocol):
-    """Which dtype float and int tensors are stored in (`None`: keep their own).
+    """Which dtype float and signed int tensors are stored in (`None`: keep their own).
 
-    `target(dtype)` gives the stored dtype of a tensor of `dtype`; bool tensors and
-    scalars are never converted. `name` identifies the settings in file headers.
+    `target(dtype)` gives the stored dtype of a tensor of `dtype`; unsigned int and bool
+    tensors (bit patterns) and scalars are never converted. `name` identifies the
+    settings in file headers.
     """
 
     @property
@@ -75,14 +76,19 @@ class Recorder(Protocol):
     `record` writes `record.into_item(...)` following `settings` and returns the output
     (a path, bytes); `load` reads a payload and returns `record_type.from_item(item,
     device)`. `save_item` / `load_item` are the same without the record conversion.
-    Every failure raises a `RecorderError`; a failed save never damages an existing payload.
+    `settings` choose each tensor's storage dtype; a load gives every tensor back in the
+    dtype it was saved with. A save raises `LossyPrecisionError` when the settings would
+    change a value, unless `allow_lossy=True`. Every failure raises a `RecorderError`; a
+    failed save never damages an existing payload.
     """
 
     @property
     def settings(self) -> PrecisionSettings: ...
-    def record(self, record: Record, args: Any) -> Any: ...
+    def record(self, record: Record, args: Any, *, allow_lossy: bool = ...) -> Any: ...
     def load(self, args: Any, device: Any, record_type: type[Any]) -> Any: ...
-    def save_item(self, item: Item, args: Any, record_type: str = ...) -> Any: ...
+    def save_item(
+        self, item: Item, args: Any, record_type: str = ..., *, allow_lossy: bool = ...
+    ) -> Any: ...
     def load_item(self, args: Any) -> Item: ...
 
 

@@ -45,8 +45,10 @@ def record_name(record_type: type[Any]) -> str:
 
 class RecorderBase:
     """Base of trainrec's recorders (adapters' too): `record` / `load` / `load_item` in
-    terms of two methods a subclass provides, `save_item(item, args, record_type)` and
-    `read(args, mmap=False) -> (Header, Item)`. Precision settings default to Full."""
+    terms of two methods a subclass provides, `save_item(item, args, record_type, *,
+    allow_lossy=False)` and `read(args, mmap=False) -> (Header, Item)`. Precision settings
+    default to Full; a subclass stores each tensor with `trainrec.precision.store_tensor`
+    and loads it back with `restore_tensor`."""
 
     def __init__(self, settings: PrecisionSettings | None = None) -> None:
         if settings is not None and not isinstance(settings, PrecisionSettings):
@@ -60,9 +62,13 @@ class RecorderBase:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._settings!r})"
 
-    def record(self, record: Record, args: Any) -> Any:
-        """Write `record` (converted by this recorder's settings) and return the output."""
-        return self.save_item(record.into_item(_NATIVE), args, record_name(type(record)))
+    def record(self, record: Record, args: Any, *, allow_lossy: bool = False) -> Any:
+        """Write `record` (converted by this recorder's settings) and return the output.
+
+        Raises `LossyPrecisionError` naming the first tensor whose values the settings
+        would change (checked while each tensor is written), unless `allow_lossy=True`."""
+        return self.save_item(record.into_item(_NATIVE), args, record_name(type(record)),
+                              allow_lossy=allow_lossy)
 
     def load(self, args: Any, device: Any, record_type: type[Any], **kw: Any) -> Any:
         """Read a payload written from a `record_type` and rebuild it on `device`."""
@@ -78,8 +84,15 @@ class RecorderBase:
     def load_item(self, args: Any, **kw: Any) -> Item:
         return self.read(args, **kw)[1]
 
-    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Any:
+    def save_item(
+        self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> Any:
         raise NotImplementedError
+
+    def native_name(self) -> str:
+        """This recorder's class as written with `NativePrecisionSettings()`, the one that
+        keeps every dtype (named by `LossyPrecisionError`)."""
+        return type(self).__name__
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         """Header and item of a payload. `mmap=True` defers each tensor's checksum to its
@@ -104,13 +117,16 @@ class NamedMpkFileRecorder(RecorderBase):
         super().__init__(settings)
         self._durable = durable
 
-    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+    def save_item(
+        self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> Path:
         from ._atomic import atomic_write
 
         path = path_arg(args)
         size = document_size_bound(item, self._settings, record_type)
         with atomic_write(path, durable=self._durable, size_hint=size) as f:
-            write_document(f, item, self._settings, record_type)
+            write_document(f, item, self._settings, record_type, allow_lossy=allow_lossy,
+                           recorder=self.native_name())
         return path
 
     def read(self, args: Any, *, mmap: bool = False, verify: bool = False) -> tuple[Header, Item]:
@@ -159,7 +175,9 @@ class NamedMpkGzFileRecorder(RecorderBase):
         self._level = compresslevel
         self._max = max_bytes
 
-    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+    def save_item(
+        self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> Path:
         from ._atomic import atomic_write
 
         path = path_arg(args)
@@ -167,7 +185,8 @@ class NamedMpkGzFileRecorder(RecorderBase):
             with gzip.GzipFile(
                 filename="", mode="wb", fileobj=f, compresslevel=self._level, mtime=0
             ) as gz:
-                write_document(gz, item, self._settings, record_type)
+                write_document(gz, item, self._settings, record_type, allow_lossy=allow_lossy,
+                               recorder=self.native_name())
         return path
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
@@ -187,11 +206,14 @@ class NamedMpkBytesRecorder(RecorderBase):
     """NamedMpk in memory. Save args: None; output: `bytes`. Load args: a bytes-like
     object; loaded tensors are read-only views of it."""
 
-    def save_item(self, item: Item, args: Any = None, record_type: str = "Item") -> bytes:
+    def save_item(
+        self, item: Item, args: Any = None, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> bytes:
         if args is not None:
             raise TypeError("NamedMpkBytesRecorder takes args=None when saving")
         out = io.BytesIO()
-        write_document(out, item, self._settings, record_type)
+        write_document(out, item, self._settings, record_type, allow_lossy=allow_lossy,
+                       recorder=self.native_name())
         return out.getvalue()
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
@@ -209,12 +231,18 @@ class DefaultRecorder(NamedMpkFileRecorder):
     def __init__(self) -> None:
         super().__init__(FullPrecisionSettings())
 
+    def native_name(self) -> str:
+        return "NamedMpkFileRecorder"
+
 
 class CompactRecorder(NamedMpkFileRecorder):
     """NamedMpk file with half precision (f16, i16), as Burn's `CompactRecorder`."""
 
     def __init__(self) -> None:
         super().__init__(HalfPrecisionSettings())
+
+    def native_name(self) -> str:
+        return "NamedMpkFileRecorder"
 
 
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:

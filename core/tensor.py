@@ -112,7 +112,7 @@ class TensorData:
         """This tensor converted to `dtype` (itself when it already has that dtype)."""
         if dtype is self._dtype:
             return self
-        with np.errstate(all="ignore"):  # lossy casts are allowed here; save() checks first
+        with np.errstate(all="ignore"):  # unchecked; recorders store with store_tensor
             converted = self.read().astype(dtype.numpy)
         return TensorData.from_array(converted, copy=False)
 

@@ -16,7 +16,7 @@ from .accumulator import GradientsAccumulator
 from .errors import CorruptRecordError, LossyPrecisionError, RecorderError, RecordMismatchError
 from .gradients import GradientsParamsRecord
 from .items import Item, check_item
-from .precision import NativePrecisionSettings, convert_item, first_lossy
+from .precision import NativePrecisionSettings, convert_item
 from .protocols import AutodiffModule, PrecisionSettings, Recorder
 from .records import StateRecord
 from .registry import adapt_module, adapt_optimizer, adapt_scheduler
@@ -165,18 +165,13 @@ class TrainingRecord(Generic[U]):
         """Save all components in one recorder payload.
 
         Raises `LossyPrecisionError` naming the first tensor whose value the recorder's
-        precision settings would change, unless `allow_lossy=True`."""
+        precision settings would change, unless `allow_lossy=True` (the recorder checks
+        each tensor as it converts it; a refused save leaves an existing file intact)."""
         item = self.into_item(_NATIVE)
-        if not allow_lossy:
-            path = first_lossy(item, recorder.settings)
-            if path is not None:
-                path = _component_path(path)
-                raise LossyPrecisionError(
-                    f"{recorder.settings.name} precision would change values of this tensor; "
-                    "use a recorder with wider settings or save(..., allow_lossy=True)",
-                    key=path,
-                )
-        return recorder.save_item(item, args, self.RECORD_NAME)
+        try:
+            return recorder.save_item(item, args, self.RECORD_NAME, allow_lossy=allow_lossy)
+        except LossyPrecisionError as e:
+            raise LossyPrecisionError(e.reason, source=e.source, key=_component_path(e.key)) from None
 
     @classmethod
     def load(

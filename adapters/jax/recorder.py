@@ -3,8 +3,9 @@
 flax writes an ndarray as msgpack ext type 1 holding `packb((shape, dtype.name,
 C-order bytes))`, and an array above 2**30 bytes as
 `{"__msgpack_chunked_array__": True, "shape": {"0": ...}, "chunks": {"0": ..., ...}}`.
-Our files are a map `{"format": "trainrec.flax", "version": [1, 0], "trainrec", "settings",
-"record", "item", "checksums": {key path: crc32}}`, so
+Our files are a map `{"format": "trainrec.flax", "version": [1, 1], "trainrec", "settings",
+"record", "item", "checksums": {key path: crc32}, "dtypes": {key path: saved dtype code}}`
+(`dtypes` names each tensor the settings stored in another dtype; absent in 1.0), so
 `flax.serialization.msgpack_restore` reads them; a plain flax msgpack file (no header)
 loads as an item. Loading is bounded by the file size and never imports anything.
 """
@@ -34,16 +35,17 @@ from trainrec.envelope import (
     parse_header,
     path_arg,
     reserve_bytes,
+    restore_dtypes,
     verify_checksums,
 )
 from trainrec.items import Item, check_item, join_key
-from trainrec.precision import convert_tensor
+from trainrec.precision import store_tensor
 from trainrec.recorders import RecorderBase
 
 __all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
 
 FORMAT = "trainrec.flax"
-VERSION = (1, 0)
+VERSION = (1, 1)
 MAX_CHUNK_SIZE = 2**30
 _CHUNKED = "__msgpack_chunked_array__"
 _NAMES = {d.numpy.name: d for d in DType}  # "float32", "bfloat16", "bool", ...
@@ -90,17 +92,23 @@ class FlaxMsgpackFileRecorder(RecorderBase):
     """Records in a `.msgpack` file readable by `flax.serialization.msgpack_restore`
     (args: a path; output: the `Path`)."""
 
-    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+    def save_item(
+        self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> Path:
         check_item(item)
         path = path_arg(args)
         checksums: dict[str, int] = {}
+        dtypes: dict[str, str] = {}
         packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         s = self.settings
         header = header_fields(FORMAT, VERSION, s, record_type)
 
         def write(f: Any, node: Item, key: str) -> None:
             if isinstance(node, TensorData):
-                t = convert_tensor(node, s)
+                t = store_tensor(node, s, key=key, allow_lossy=allow_lossy,
+                                 recorder=self.native_name())
+                if t.dtype is not node.dtype:
+                    dtypes[key] = node.dtype.value
                 checksums[key] = crc_of(t)
                 _write_tensor(f, packer, t)
             elif isinstance(node, dict):
@@ -116,7 +124,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
                 f.write(packer.pack(node))
 
         with atomic_write(path, size_hint=reserve_bytes(item, s)) as f:
-            f.write(packer.pack_map_header(len(header) + 2))
+            f.write(packer.pack_map_header(len(header) + 3))
             for k, v in header.items():
                 f.write(packer.pack(k))
                 f.write(packer.pack(v))
@@ -124,6 +132,8 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             write(f, item, "")
             f.write(packer.pack("checksums"))
             f.write(packer.pack(checksums))
+            f.write(packer.pack("dtypes"))
+            f.write(packer.pack(dtypes))
         return path
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
@@ -171,6 +181,7 @@ def parse(data: bytes, source: str) -> tuple[Header, Item]:
     item = _convert(body, "", source, 0)
     if ours:
         verify_checksums(item, checksums, source)
+        item = restore_dtypes(item, doc.get("dtypes"), source)
     return header, item
 
 

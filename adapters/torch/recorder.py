@@ -1,9 +1,10 @@
 """`TorchFileRecorder`: records as `.pt` files that `torch.load(weights_only=True)` reads.
 
 The file is `torch.save` of plain containers only:
-`{"format": "trainrec.torch", "version": [1, 0], "trainrec": str, "settings": {...},
-"record": str, "item": tree, "checksums": {key path: crc32}}` where the tree holds dicts,
-lists, scalars, str, bytes, None and CPU tensors. Loading only ever uses
+`{"format": "trainrec.torch", "version": [1, 1], "trainrec": str, "settings": {...},
+"record": str, "item": tree, "checksums": {key path: crc32}, "dtypes": {key path: code}}`
+where the tree holds dicts, lists, scalars, str, bytes, None and CPU tensors, and `dtypes`
+names the saved dtype of each tensor the settings stored in another one (absent in 1.0). Loading only ever uses
 `weights_only=True` and refuses torch older than 2.6 (CVE-2025-32434).
 """
 
@@ -33,10 +34,11 @@ from trainrec.envelope import (
     parse_header,
     path_arg,
     reserve_bytes,
+    restore_dtypes,
     verify_checksums,
 )
 from trainrec.items import Item, check_item, join_key
-from trainrec.precision import convert_tensor
+from trainrec.precision import store_tensor
 from trainrec.recorders import RecorderBase
 
 from .backend import from_torch_dtype, tensor_to_numpy, to_torch_dtype
@@ -44,7 +46,7 @@ from .backend import from_torch_dtype, tensor_to_numpy, to_torch_dtype
 __all__ = ["TorchFileRecorder", "TorchPrecisionSettings", "BF16PrecisionSettings", "MIN_TORCH"]
 
 FORMAT = "trainrec.torch"
-VERSION = (1, 0)
+VERSION = (1, 1)
 MIN_TORCH = (2, 6)
 
 
@@ -87,14 +89,20 @@ class TorchFileRecorder(RecorderBase):
     """Records in a `.pt` file (args: a path; output: the `Path`). `load(..., mmap=True)`
     passes `mmap=True` to `torch.load`."""
 
-    def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
+    def save_item(
+        self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> Path:
         check_item(item)
         path = path_arg(args)
         checksums: dict[str, int] = {}
+        dtypes: dict[str, str] = {}
 
         def convert(node: Item, key: str) -> Any:
             if isinstance(node, TensorData):
-                t = convert_tensor(node, self.settings)
+                t = store_tensor(node, self.settings, key=key, allow_lossy=allow_lossy,
+                                 recorder=self.native_name())
+                if t.dtype is not node.dtype:
+                    dtypes[key] = node.dtype.value
                 checksums[key] = crc_of(t)
                 return _to_torch(t)
             if isinstance(node, dict):
@@ -104,7 +112,7 @@ class TorchFileRecorder(RecorderBase):
             return node
 
         doc = {**header_fields(FORMAT, VERSION, self.settings, record_type),
-               "item": convert(item, ""), "checksums": checksums}
+               "item": convert(item, ""), "checksums": checksums, "dtypes": dtypes}
         with atomic_write(path, size_hint=reserve_bytes(item, self.settings)) as f:
             torch.save(doc, f)
         return path
@@ -158,4 +166,4 @@ def _parse(doc: Any, source: str) -> tuple[Header, Item]:
 
     item = convert(doc.get("item"), "item", 0)
     verify_checksums(item, doc["checksums"], source)
-    return header, item
+    return header, restore_dtypes(item, doc.get("dtypes"), source)
