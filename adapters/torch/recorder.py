@@ -35,6 +35,7 @@ from trainrec.envelope import (
     reserve_bytes,
     verify_checksums,
 )
+from trainrec.format import check_limits
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
@@ -90,6 +91,8 @@ class TorchFileRecorder(RecorderBase):
     def save_item(self, item: Item, args: Any, record_type: str = "Item") -> Path:
         check_item(item)
         path = path_arg(args)
+        # the reader's bounds, at its depths: the item at 0, a tensor one leaf
+        check_limits(item, depth=0, tensor_depth=0, source=str(path))
         checksums: dict[str, int] = {}
 
         def convert(node: Item, key: str) -> Any:
