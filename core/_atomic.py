@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import RecorderError
+from .errors import FileMissingError, RecorderError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -38,6 +38,13 @@ def atomic_write(path: Path, *, durable: bool = True, size_hint: int = 0) -> Ite
             prefix=f".{path.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=directory
         )
     except OSError as e:
+        if not directory.exists():
+            raise FileMissingError(
+                f"cannot save: the folder {str(directory)!r} does not exist (create it first)",
+                source=str(path)) from e
+        if not directory.is_dir():
+            raise RecorderError(f"cannot save: {str(directory)!r} is not a folder",
+                                source=str(path)) from e
         raise RecorderError(f"cannot create a file next to the target: {e}", source=str(path)) from e
     try:
         if size_hint > 0:

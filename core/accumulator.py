@@ -135,7 +135,7 @@ class GradientsAccumulator(Generic[M]):
         try:
             dev = backend.device(device)
         except (TypeError, ValueError) as e:
-            raise RecordMismatchError(f"device {device!r} is not a {backend.name} device: {e}") from e
+            raise RecordMismatchError(f"cannot restore onto device {device!r} ({backend.name}): {e}") from e
         for pid, t in record.grads.items():
             if not isinstance(pid, str):
                 raise RecordMismatchError(f"ParamId must be str, got {type(pid).__name__}")

@@ -21,12 +21,13 @@ import msgpack
 import numpy as np
 
 from ._version import __version__
-from .checksum import crc32
+from .checksum import crc32, crc_text
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .items import TENSOR_KEY, Item, check_item, join_key
 from .precision import Precision, convert_tensor, settings_by_name
 from .protocols import PrecisionSettings
+from .sniff import HEAD_BYTES, reader_of
 from .tensor import TensorData
 
 __all__ = [
@@ -565,7 +566,7 @@ def read_document(
     computed = p.structure_crc(item_start, item_end)
     if stored != computed:
         raise ChecksumError(
-            f"structure checksum mismatch (stored {stored!r}, computed {computed:#010x})",
+            f"structure checksum mismatch (stored {crc_text(stored)}, computed {computed:#010x})",
             source=source,
             key="item",
         )
@@ -591,7 +592,7 @@ def _read_header(p: _Parser) -> Header:
     p.need(1, "")
     first = p.mv[0]
     if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
-        raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+        raise p.fail(_wrong_magic(p), "")
     b = p.mv[p.take(1, "")]
     n = b & 0x0F if b <= 0x8F else p.uint(2 if b == 0xDE else 4, "")
     fields: dict[str, object] = {}
@@ -603,13 +604,13 @@ def _read_header(p: _Parser) -> Header:
         if not isinstance(k, str):
             raise p.fail("header keys must be strings", "")
         if not fields and (k != "format"):
-            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+            raise p.fail(_wrong_magic(p), "")
         if k == "header_crc":
             stored = p.value(k, 1)
             computed = crc32(p.mv[:key_start])
             if stored != computed:
                 raise ChecksumError(
-                    f"header checksum mismatch (stored {stored!r}, computed {computed:#010x})",
+                    f"header checksum mismatch (stored {crc_text(stored)}, computed {computed:#010x})",
                     source=p.source,
                     key="header_crc",
                 )
@@ -618,10 +619,15 @@ def _read_header(p: _Parser) -> Header:
             return _header_from(fields, p)
         fields[k] = p.value(k, 1)
         if k == "format" and fields[k] != FORMAT_NAME:
-            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "format")
+            raise p.fail(_wrong_magic(p), "format")
         if k == "version":
             _check_version(fields[k], p)
     raise p.fail("header has no header_crc", "")
+
+
+def _wrong_magic(p: _Parser) -> str:
+    head = bytes(p.mv[: min(p.avail, HEAD_BYTES)])
+    return "not a trainrec NamedMpk document (wrong magic)" + reader_of(head, not_="namedmpk")
 
 
 def _check_version(v: object, p: _Parser) -> None:

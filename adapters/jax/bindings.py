@@ -75,7 +75,8 @@ class JaxBackend:
         try:
             devices = jax.devices(kind)
         except RuntimeError:
-            raise ValueError(f"{spec!r}: this machine has no {kind} devices for JAX") from None
+            what = "no CUDA device is visible to JAX" if kind == "gpu" else f"JAX has no {kind} devices"
+            raise ValueError(f"{spec!r}: {what}; restore to 'cpu'") from None
         i = int(index) if index.isdigit() else 0 if not index else -1
         if not 0 <= i < len(devices):
             raise ValueError(f"{spec!r}: JAX has {len(devices)} {kind} devices")

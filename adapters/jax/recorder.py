@@ -40,6 +40,7 @@ from trainrec.format import check_limits
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
+from trainrec.sniff import HEAD_BYTES, kind_of, reader_of
 
 __all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
 
@@ -144,6 +145,9 @@ class FlaxMsgpackFileRecorder(RecorderBase):
 def parse(data: bytes, source: str) -> tuple[Header, Item]:
     """Header and item of a flax-convention msgpack payload (ours or plain flax)."""
     n = len(data)
+    if kind_of(data[:HEAD_BYTES]) in ("namedmpk", "namedmpk.gz", "torch"):
+        raise CorruptRecordError("not a flax msgpack file (wrong magic)"
+                                 + reader_of(data[:HEAD_BYTES], not_="flax"), source=source)
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == 1:

@@ -73,7 +73,9 @@ class TorchBackend:
             raise ValueError(f"{spec!r} is not a torch device: {e}") from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError(f"{spec!r}: CUDA is not available on this machine")
+                raise ValueError(
+                    f"{spec!r}: no CUDA device is visible to torch (no GPU or driver, a CPU-only "
+                    "torch build, or CUDA_VISIBLE_DEVICES hides them); restore to 'cpu'")
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             if index >= torch.cuda.device_count():
                 raise ValueError(f"{spec!r}: only {torch.cuda.device_count()} CUDA devices")

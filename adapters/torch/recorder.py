@@ -39,6 +39,7 @@ from trainrec.format import check_limits
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import convert_tensor
 from trainrec.recorders import RecorderBase
+from trainrec.sniff import HEAD_BYTES, kind_of, reader_of
 
 from .backend import from_torch_dtype, tensor_to_numpy, to_torch_dtype
 
@@ -122,6 +123,11 @@ class TorchFileRecorder(RecorderBase):
         source = str(path)
         if not path.exists():
             raise FileMissingError("no such checkpoint", source=source)
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+        if kind_of(head) != "torch":
+            raise CorruptRecordError("not a .pt zip file (wrong magic)" + reader_of(head, not_="torch"),
+                                     source=source)
         try:
             doc = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as e:  # torch raises many types for a bad file; all mean "corrupt"
