@@ -11,6 +11,7 @@ import dataclasses
 import random
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
@@ -140,6 +141,7 @@ def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
 _DC = TypeVar("_DC", bound=type)
 
 
+@typing.dataclass_transform()
 def record(cls: _DC) -> _DC:
     """Make a dataclass a `Record` whose item is a map of its fields.
 
@@ -418,7 +420,7 @@ def expect_kind(record: Any, kind: str, component: str) -> Item:
 
 
 def check_tensor_map(
-    item: Item,
+    item: Item | Mapping[str, Item],
     expected: dict[str, tuple[tuple[int, ...], Any]],
     component: str,
     *,

@@ -100,12 +100,13 @@ class JaxBackend:
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
         if isinstance(tensor, jax.Array):
             tensor.copy_to_host_async()
-            while not tensor.is_ready():
+            while not tensor.is_ready():  # type: ignore[attr-defined]  # missing from jax.Array's stub
                 await asyncio.sleep(0.0005)
         return self.to_host(tensor)
 
     def from_host(self, array: np.ndarray[Any, Any], device: Any) -> jax.Array:
-        return jax.device_put(np.array(array, copy=True), self.device(device))
+        out: jax.Array = jax.device_put(np.array(array, copy=True), self.device(device))
+        return out
 
     def cast(self, tensor: Any, dtype: DType) -> jax.Array:
         if tensor.dtype == dtype.numpy:

@@ -115,9 +115,9 @@ class TorchBackend:
         if not t.is_cuda:
             return self.to_host(t)
         buf = self._pinned_copy(t)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves __new__ unannotated
         event.record(torch.cuda.current_stream(t.device))
-        while not event.query():
+        while not event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
             await asyncio.sleep(0.0005)
         return np.array(tensor_to_numpy(buf), copy=True)
 
