@@ -233,21 +233,25 @@ def _mismatch(tp: Any, value: Any) -> str | None:
     if origin is not None or not isinstance(tp, type) or tp is object:
         return None  # Any, TypeVars, Literal, abstract collections: rebuilt as stored
     if hasattr(tp, "from_item"):
-        if type(value) is tp or (
-            isinstance(value, tp) and getattr(type(value), "from_item", None) == tp.from_item
-        ):
-            return None
-        return _held(value)
+        same = isinstance(value, tp) and all(  # a subclass that records itself as `tp` does
+            _func(type(value), m) is _func(tp, m) for m in ("into_item", "from_item"))
+        return None if same else _held(value)
     if value is None:
         return None if tp is type(None) else _held(None)
-    tensor = _is_tensor(value)
+    # what `to_item` records as a tensor (a numpy float64 is a float, np.str_ a str)
+    tensor = not isinstance(value, (bool, int, float, str, bytes)) and _is_tensor(value)
     if tp is np.ndarray or issubclass(tp, np.generic) or _is_tensor_type(tp):
         return None if tensor else _held(value)
-    if tensor and not isinstance(value, (bool, int, float)):
+    if tensor:
         return _held(value)  # a numpy scalar or tensor comes back as an array
     if tp is float:
         return None if isinstance(value, (int, float)) and not isinstance(value, bool) else _held(value)
     return None if isinstance(value, tp) else _held(value)
+
+
+def _func(cls: type, name: str) -> Any:
+    attr = getattr(cls, name, None)
+    return getattr(attr, "__func__", attr)
 
 
 def _held(value: Any) -> str:

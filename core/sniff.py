@@ -20,7 +20,7 @@ _READERS = {
 def kind_of(head: bytes) -> str | None:
     """"namedmpk", "namedmpk.gz", "torch" (a zip, as `torch.save` writes), "flax" (a
     msgpack map that is not NamedMpk: ours or a plain flax state dict) or None (unknown,
-    or a map whose first key is "format" but names no trainrec format: damaged)."""
+    or a NamedMpk header whose format name is damaged)."""
     head = bytes(head[:HEAD_BYTES])
     if head[:2] == b"\x1f\x8b":
         return "namedmpk.gz"
@@ -29,9 +29,12 @@ def kind_of(head: bytes) -> str | None:
     if head and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
         if b"trainrec.namedmpk" in head:
             return "namedmpk"
-        if b"trainrec.flax" in head or (b"trainrec" not in head and head[1:8] != b"\xa6format"):
+        if b"trainrec.flax" in head:
             return "flax"
-    return None  # a damaged trainrec header ("format" first, then no known format) too
+        if b"trainrec" in head or b"namedmpk" in head:
+            return None  # a NamedMpk header with a damaged format name
+        return "flax"
+    return None
 
 
 def reader_of(head: bytes, *, not_: str) -> str:

@@ -206,3 +206,13 @@ def test_restoring_to_cuda_without_a_gpu_says_no_cuda_device_is_visible():
         rec.restore(model, opt, None, "cuda")
     assert "is not a torch device" not in str(e.value)
     assert torch.equal(model.weight, before)
+
+
+def test_read_file_still_reads_a_plain_flax_dict_whatever_its_first_key(tmp_path):
+    pytest.importorskip("trainrec.adapters.jax.recorder")
+    import msgpack
+
+    path = tmp_path / "plain.msgpack"
+    path.write_bytes(msgpack.packb({"format": "mine", "step": 3}))
+    header, item = trainrec.read_file(path)
+    assert header.format == "flax.msgpack" and item == {"format": "mine", "step": 3}

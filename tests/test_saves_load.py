@@ -262,3 +262,27 @@ def test_state_that_would_not_rebuild_as_declared_fails_at_save(state, where):
     with pytest.raises(TypeError) as e:
         NamedMpkBytesRecorder(NATIVE).record(state, None)
     assert str(e.value).startswith(where)
+
+
+@trainrec.record
+class Base:
+    n: int
+
+
+class Sub(Base):
+    """Records itself with Base's methods: it loads back as a Base."""
+
+
+@trainrec.record
+class Holder:
+    base: Base
+    text: str
+    arr: np.ndarray
+
+
+def test_what_to_item_records_as_a_scalar_is_checked_as_one():
+    r = NamedMpkBytesRecorder(NATIVE)
+    back = r.load(r.record(Holder(Sub(1), np.str_("s"), np.ones(2)), None), None, Holder)
+    assert type(back.base) is Base and back.text == "s"
+    with pytest.raises(TypeError, match="Holder.arr is declared ndarray but holds a value of type float64"):
+        r.record(Holder(Base(1), "s", np.float64(2.0)), None)  # a float64 is saved as a float
