@@ -107,7 +107,7 @@ def from_item_as(tp: Any, item: Item, device: Any, key: str = "") -> Any:
         return _tensor_as(tp, item, device, key)
     if isinstance(item, list):
         args = typing.get_args(tp)
-        if origin is tuple:
+        if origin is tuple or tp is tuple:
             if len(args) == 2 and args[1] is Ellipsis:
                 return tuple(from_item_as(args[0], v, device, join_key(key, i)) for i, v in enumerate(item))
             if args and len(args) == len(item):
@@ -207,7 +207,9 @@ def _check_declared(tp: Any, value: Any, where: str) -> None:
 def _mismatch(tp: Any, value: Any) -> str | None:
     """What in `value` does not rebuild as `tp` (None when it does, or when `tp` is a
     type `from_item_as` does not rebuild by)."""
-    origin = typing.get_origin(tp)
+    if tp is Any:  # a class since Python 3.11: never isinstance-checked
+        return None
+    origin = tp if tp in (list, tuple, dict) else typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None:

@@ -4,6 +4,7 @@ caller state must rebuild as its declared type."""
 from __future__ import annotations
 
 import contextlib
+import typing
 
 import numpy as np
 import pytest
@@ -286,3 +287,30 @@ def test_what_to_item_records_as_a_scalar_is_checked_as_one():
     assert type(back.base) is Base and back.text == "s"
     with pytest.raises(TypeError, match="Holder.arr is declared ndarray but holds a value of type float64"):
         r.record(Holder(Base(1), "s", np.float64(2.0)), None)  # a float64 is saved as a float
+
+
+@trainrec.record
+class Bare:
+    seq: list
+    pair: tuple
+
+
+def test_bare_list_and_tuple_annotations_round_trip_as_declared():
+    r = NamedMpkBytesRecorder(NATIVE)
+    back = r.load(r.record(Bare((1, 2), (3, "a")), None), None, Bare)
+    assert back.seq == [1, 2] and back.pair == (3, "a")
+    with pytest.raises(TypeError, match="Bare.seq is declared list but holds a value of type str"):
+        r.record(Bare("ab", ()), None)
+
+
+@trainrec.record
+class Loose:
+    anything: typing.Any
+    items: list[typing.Any]
+    table: dict[str, typing.Any]
+
+
+def test_any_is_not_checked():
+    r = NamedMpkBytesRecorder(NATIVE)
+    back = r.load(r.record(Loose(np.ones(1), [1, "a", None], {"k": [2]}), None), None, Loose)
+    assert back.items == [1, "a", None] and back.table == {"k": [2]}
