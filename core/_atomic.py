@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import RecorderError
+from .errors import FileMissingError, RecorderError
 
 if sys.platform != "win32":
     import fcntl
@@ -67,6 +67,13 @@ def atomic_write(path: Path, *, durable: bool = True, size_hint: int = 0) -> Ite
     try:
         fd, tmp = _create_temp(directory, stem, existing)
     except OSError as e:
+        if not directory.exists():
+            raise FileMissingError(
+                f"cannot save: the folder {str(directory)!r} does not exist (create it first)",
+                source=str(path)) from e
+        if not directory.is_dir():
+            raise RecorderError(f"cannot save: {str(directory)!r} is not a folder",
+                                source=str(path)) from e
         hint = ("; a save writes a new file in the target's directory and renames it over "
                 "the target, so it needs write permission on the directory, not only on the "
                 "file" if isinstance(e, PermissionError) else "")

@@ -42,8 +42,10 @@ class GradientsAccumulator(Generic[M]):
     def accumulate(self, module: M, grads: GradientsParams) -> None:
         """Accumulate the given gradients for each parameter in the given module.
 
-        Gradients of ParamIds the module does not have are ignored; an incoming gradient
-        is cast to the pending dtype."""
+        Gradients of ParamIds the module does not have are ignored, but non-empty
+        `grads` of which none is the module's raise `ValueError` (naming some of each): a
+        tree named another way would otherwise be dropped whole. An incoming gradient is
+        cast to the pending dtype."""
         self._accumulate(module, grads, None)
 
     def accumulate_with_dtype(self, module: M, grads: GradientsParams, dtype: FloatDType) -> None:
@@ -61,8 +63,14 @@ class GradientsAccumulator(Generic[M]):
         if not isinstance(grads, GradientsParams):
             raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
         bound = adapt_module(module)
-        backend = self._bind(bound.backend)
         wanted = set(bound.param_ids())
+        if len(grads) and not any(pid in wanted for pid in grads):
+            raise ValueError(
+                f"none of the {len(grads)} gradients is for a parameter of the module: gradients "
+                f"for {_some(grads)}, module parameters {_some(bound.param_ids())}; name "
+                "gradients by the module's ParamIds (the adapter's grads_from does)"
+            )
+        backend = self._bind(bound.backend)
         for pid, grad in grads.items():
             if pid not in wanted:
                 continue
@@ -127,7 +135,7 @@ class GradientsAccumulator(Generic[M]):
         try:
             dev = backend.device(device)
         except (TypeError, ValueError) as e:
-            raise RecordMismatchError(f"device {device!r} is not a {backend.name} device: {e}") from e
+            raise RecordMismatchError(f"cannot restore onto device {device!r} ({backend.name}): {e}") from e
         for pid, t in record.grads.items():
             if not isinstance(pid, str):
                 raise RecordMismatchError(f"ParamId must be str, got {type(pid).__name__}")
@@ -162,6 +170,12 @@ class GradientsAccumulator(Generic[M]):
 
     def __repr__(self) -> str:
         return f"GradientsAccumulator({len(self._pending)} pending)"
+
+
+def _some(ids: Any, n: int = 3) -> str:
+    names = list(ids)
+    shown = ", ".join(repr(k) for k in names[:n])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > n else ''}]"
 
 
 def _host(array: Any) -> TensorData:

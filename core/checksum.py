@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["crc32", "implementation"]
+__all__ = ["crc32", "crc_text", "implementation"]
 
 _SMALL = 1 << 14
 """Below this many bytes the ctypes call costs more than the stdlib's loop."""
@@ -68,3 +68,11 @@ def crc32(data: Any, value: int = 0) -> int:
         raise ValueError("crc32 needs a C-contiguous buffer")
     arr = np.frombuffer(view, np.uint8)
     return native(value, arr.ctypes.data, arr.nbytes)
+
+
+def crc_text(value: object) -> str:
+    """A stored checksum as error messages print it: 0x-prefixed hex, 8 digits (what was
+    stored is printed as it is when it is not an int)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:#010x}"
+    return repr(value)

@@ -30,6 +30,19 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code. A reader that closes the pipe early
+    (`trainrec inspect FILE | head`) ends it quietly, with 141 as a shell reports SIGPIPE."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here, not at exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        return 141
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="trainrec", description="Exact, portable training checkpoints."
     )

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._version import __version__
-from .checksum import crc32
+from .checksum import crc32, crc_text
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .format import Header
@@ -88,8 +88,8 @@ def verify_checksums(item: Item, checksums: Any, source: str) -> None:
     for key, t in found.items():
         got = crc_of(t)
         if got != checksums[key]:
-            raise ChecksumError(f"tensor checksum mismatch (stored {checksums[key]!r}, computed "
-                                f"{got:#010x})", source=source, key=f"item.{key}")
+            raise ChecksumError(f"tensor checksum mismatch (stored {crc_text(checksums[key])}, "
+                                f"computed {got:#010x})", source=source, key=f"item.{key}")
 
 
 def restore_dtypes(item: Item, dtypes: Any, source: str) -> Item:

@@ -6,6 +6,8 @@ problem sits, so a user can tell which checkpoint and which tensor is at fault.
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "RecorderError",
     "FileMissingError",
@@ -35,8 +37,18 @@ class RecorderError(Exception):
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
 
 
-class FileMissingError(RecorderError):
-    """The checkpoint file does not exist or cannot be opened."""
+class FileMissingError(RecorderError, FileNotFoundError):
+    """The checkpoint file (or the folder to save it in) does not exist. It is also a
+    `FileNotFoundError` (`errno` ENOENT, `filename` the path), so code written for
+    `open` or `torch.load` catches it."""
+
+    def __init__(self, message: str, *, source: str = "", key: str = "") -> None:
+        super().__init__(message, source=source, key=key)
+        self.errno = errno.ENOENT
+        self.filename = source or None
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # not OSError's "[Errno 2] ..." form
 
 
 class CorruptRecordError(RecorderError):

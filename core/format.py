@@ -21,12 +21,13 @@ import msgpack
 import numpy as np
 
 from ._version import __version__
-from .checksum import crc32
+from .checksum import crc32, crc_text
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
 from .items import TENSOR_KEY, Item, check_item, join_key
 from .precision import Precision, restorable, restore_tensor, settings_by_name, store_tensor
 from .protocols import PrecisionSettings
+from .sniff import HEAD_BYTES, reader_of
 from .tensor import TensorData
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "document_size_bound",
     "read_document",
     "Limits",
+    "check_limits",
 ]
 
 FORMAT_NAME = "trainrec.namedmpk"
@@ -60,12 +62,59 @@ class Header:
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds the reader enforces before allocating (see spec/FORMAT.md, "Limits")."""
+    """Bounds the reader enforces before allocating (see spec/FORMAT.md, "Limits"). The
+    writer enforces the same ones, so nothing that saves fails to load."""
 
     max_header_bytes: int = 1 << 20
     max_depth: int = 64
     max_str_bytes: int = 16 << 20
     max_dims: int = 32
+
+
+def check_limits(
+    item: Item, limits: Limits | None = None, *, depth: int = 1, tensor_depth: int = 2,
+    source: str = "",
+) -> None:
+    """Raise `CorruptRecordError` naming the key when a reader bounded by `limits` would
+    refuse `item`: nesting deeper than `max_depth`, a str (value or map key) longer than
+    `max_str_bytes` in UTF-8, a tensor of more than `max_dims` dimensions.
+
+    How deep a value sits is the format's: `depth` is the level of `item` itself
+    (NamedMpk: 1, under the top-level map) and a tensor with a non-empty shape takes
+    `tensor_depth` levels below its own (NamedMpk: its map's fields, then the shape's
+    elements; a 0-d tensor one fewer). `check_item(item)` must have passed."""
+    lim = limits or Limits()
+
+    def fail(message: str, key: str) -> CorruptRecordError:
+        return CorruptRecordError(f"{message}: it would save but never load", source=source, key=key)
+
+    def text(s: str, key: str) -> None:
+        if len(s) > lim.max_str_bytes // 4 and len(s.encode("utf-8")) > lim.max_str_bytes:
+            raise fail(f"string of {len(s.encode('utf-8'))} bytes is longer than readers accept "
+                       f"(Limits.max_str_bytes = {lim.max_str_bytes})", key)
+
+    def walk(node: Item, level: int, key: str) -> None:
+        if isinstance(node, TensorData):
+            below = tensor_depth if node.shape else max(0, tensor_depth - 1)
+            level += below
+        if level > lim.max_depth:
+            raise fail(f"nested {level} levels deep, more than readers accept "
+                       f"(Limits.max_depth = {lim.max_depth})", key)
+        if isinstance(node, TensorData):
+            if len(node.shape) > lim.max_dims:
+                raise fail(f"tensor of {len(node.shape)} dimensions, more than readers accept "
+                           f"(Limits.max_dims = {lim.max_dims})", key)
+        elif isinstance(node, str):
+            text(node, key)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                text(k, key)
+                walk(v, level + 1, join_key(key, k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, level + 1, join_key(key, i))
+
+    walk(item, depth, "")
 
 
 class _Sink(Protocol):
@@ -203,27 +252,36 @@ def _bin32_header(n: int) -> bytes:
 def write_document(
     out: _Sink, item: Item, settings: PrecisionSettings, record_type: str, *,
     allow_lossy: bool = False, recorder: str = "NamedMpkFileRecorder",
+    limits: Limits | None = None,
 ) -> None:
     """Write `item` as one NamedMpk document to `out`, converting each tensor as
     `settings` say while it is written. Raises `CorruptRecordError` for a malformed item
-    before anything is written, and `LossyPrecisionError` (naming the tensor and
-    `recorder`) when `settings` would change a value, unless `allow_lossy`."""
+    before anything is written, also for one a reader bounded by `limits` would refuse
+    (see `check_limits`), and `LossyPrecisionError` (naming the tensor and `recorder`)
+    when `settings` would change a value, unless `allow_lossy`."""
     check_item(item)
+    check_limits(item, limits)
     _write(_Writer(out, settings, allow_lossy=allow_lossy, recorder=recorder), item, settings,
-           record_type)
+           record_type, limits or Limits())
 
 
-def document_size_bound(item: Item, settings: PrecisionSettings, record_type: str) -> int:
+def document_size_bound(
+    item: Item, settings: PrecisionSettings, record_type: str, limits: Limits | None = None
+) -> int:
     """An upper bound of the size of the document `write_document` writes for `item`,
     computed without reading or converting any tensor. It is exact but for checksums,
-    counted at their longest msgpack encoding (5 bytes)."""
+    counted at their longest msgpack encoding (5 bytes). Raises as `write_document` does
+    for an item it would refuse."""
     check_item(item)
+    check_limits(item, limits)
     w = _Writer(_Counter(), settings, dry=True)
-    _write(w, item, settings, record_type)
+    _write(w, item, settings, record_type, limits or Limits())
     return w.pos
 
 
-def _write(w: _Writer, item: Item, settings: PrecisionSettings, record_type: str) -> None:
+def _write(
+    w: _Writer, item: Item, settings: PrecisionSettings, record_type: str, limits: Limits
+) -> None:
     w.raw(b"\x88")
     w.value("format")
     w.value(FORMAT_NAME)
@@ -241,6 +299,10 @@ def _write(w: _Writer, item: Item, settings: PrecisionSettings, record_type: str
     )
     w.value("record")
     w.value(record_type)
+    if w.pos > limits.max_header_bytes:
+        raise CorruptRecordError(
+            f"header of {w.pos} bytes is longer than readers accept (Limits.max_header_bytes = "
+            f"{limits.max_header_bytes}): it would save but never load", key="record")
     header_crc = w.crc
     w.value("header_crc")
     w.checksum(header_crc)
@@ -529,7 +591,7 @@ def read_document(
     computed = p.structure_crc(item_start, item_end)
     if stored != computed:
         raise ChecksumError(
-            f"structure checksum mismatch (stored {stored!r}, computed {computed:#010x})",
+            f"structure checksum mismatch (stored {crc_text(stored)}, computed {computed:#010x})",
             source=source,
             key="item",
         )
@@ -555,7 +617,7 @@ def _read_header(p: _Parser) -> Header:
     p.need(1, "")
     first = p.mv[0]
     if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
-        raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+        raise p.fail(_wrong_magic(p), "")
     b = p.mv[p.take(1, "")]
     n = b & 0x0F if b <= 0x8F else p.uint(2 if b == 0xDE else 4, "")
     fields: dict[str, object] = {}
@@ -567,13 +629,13 @@ def _read_header(p: _Parser) -> Header:
         if not isinstance(k, str):
             raise p.fail("header keys must be strings", "")
         if not fields and (k != "format"):
-            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+            raise p.fail(_wrong_magic(p), "")
         if k == "header_crc":
             stored = p.value(k, 1)
             computed = crc32(p.mv[:key_start])
             if stored != computed:
                 raise ChecksumError(
-                    f"header checksum mismatch (stored {stored!r}, computed {computed:#010x})",
+                    f"header checksum mismatch (stored {crc_text(stored)}, computed {computed:#010x})",
                     source=p.source,
                     key="header_crc",
                 )
@@ -582,10 +644,15 @@ def _read_header(p: _Parser) -> Header:
             return _header_from(fields, p)
         fields[k] = p.value(k, 1)
         if k == "format" and fields[k] != FORMAT_NAME:
-            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "format")
+            raise p.fail(_wrong_magic(p), "format")
         if k == "version":
             _check_version(fields[k], p)
     raise p.fail("header has no header_crc", "")
+
+
+def _wrong_magic(p: _Parser) -> str:
+    head = bytes(p.mv[: min(p.avail, HEAD_BYTES)])
+    return "not a trainrec NamedMpk document (wrong magic)" + reader_of(head, not_="namedmpk")
 
 
 def _check_version(v: object, p: _Parser) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +16,12 @@ from .tensor import TensorData
 __all__ = ["GradientsParams", "GradientsParamsRecord"]
 
 
-class GradientsParams:
-    """Gradients of a module's parameters, by ParamId, as the framework's tensors."""
+class GradientsParams(Mapping[ParamId, Any]):
+    """Gradients of a module's parameters, by ParamId, as the framework's tensors.
+
+    A read-only `Mapping` (`g[pid]`, `keys()`, `values()`, `items()`, `dict(g)`) with
+    Burn's methods besides: `register`, `get`, `remove`, `len()`, `is_empty()`. Two are
+    equal only when they are the same object: tensors do not compare to one bool."""
 
     def __init__(self, grads: Mapping[ParamId, Any] | None = None) -> None:
         self._grads: dict[ParamId, Any] = dict(grads or {})
@@ -26,8 +30,15 @@ class GradientsParams:
         """Set the gradient of `param_id` (replacing any)."""
         self._grads[param_id] = tensor
 
-    def get(self, param_id: ParamId) -> Any | None:
-        return self._grads.get(param_id)
+    def __getitem__(self, param_id: ParamId) -> Any:
+        try:
+            return self._grads[param_id]
+        except KeyError:
+            raise KeyError(f"no gradient for ParamId {param_id!r}") from None
+
+    def get(self, param_id: ParamId, default: Any = None) -> Any:
+        """The gradient of `param_id`, or `default` (None) when it has none."""
+        return self._grads.get(param_id, default)
 
     def remove(self, param_id: ParamId) -> Any | None:
         """Take the gradient of `param_id` out, returning it (None when absent)."""
@@ -48,8 +59,20 @@ class GradientsParams:
     def __contains__(self, param_id: object) -> bool:
         return param_id in self._grads
 
-    def items(self) -> Iterator[tuple[ParamId, Any]]:
-        return iter(self._grads.items())
+    def items(self) -> ItemsView[ParamId, Any]:
+        return self._grads.items()
+
+    def keys(self) -> KeysView[ParamId]:
+        return self._grads.keys()
+
+    def values(self) -> ValuesView[Any]:
+        return self._grads.values()
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
     def __repr__(self) -> str:
         return f"GradientsParams({list(self._grads)})"

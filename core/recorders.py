@@ -23,6 +23,7 @@ from .format import ALIGNMENT, Header, document_size_bound, read_document, write
 from .items import Item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
+from .sniff import HEAD_BYTES, kind_of, reader_of
 
 __all__ = [
     "RecorderBase",
@@ -194,6 +195,13 @@ class NamedMpkGzFileRecorder(RecorderBase):
         source = str(path)
         try:
             with open(path, "rb") as f:
+                head = f.read(2)
+                if head != b"\x1f\x8b":
+                    f.seek(0)
+                    raise CorruptRecordError(
+                        "not a gzip file (wrong magic)"
+                        + reader_of(f.read(HEAD_BYTES), not_="namedmpk.gz"), source=source)
+                f.seek(0)
                 buf = _gunzip(f, self._max, source)
         except FileNotFoundError as e:
             raise FileMissingError("no such checkpoint", source=source) from e
@@ -251,21 +259,27 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
     msgpack (`FlaxMsgpackFileRecorder`). Adapter recorders are imported only for their
     own files."""
     p = path_arg(path)
-    try:
-        with open(p, "rb") as f:
-            magic = f.read(32)
-    except FileNotFoundError as e:
-        raise FileMissingError("no such checkpoint", source=str(p)) from e
-    except OSError as e:
-        raise RecorderError(f"cannot read checkpoint: {e}", source=str(p)) from e
-    if magic[:2] == b"\x1f\x8b":
+    kind = kind_of(_head(p))
+    if kind == "namedmpk.gz":
         return NamedMpkGzFileRecorder().read(p)
-    if magic[:4] == b"PK\x03\x04":
+    if kind == "torch":
         return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p)
-    is_map = bool(magic) and (0x80 <= magic[0] <= 0x8F or magic[0] in (0xDE, 0xDF))
-    if is_map and b"trainrec.namedmpk" not in magic:
+    if kind == "flax":
         return _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p).read(p)
     return NamedMpkFileRecorder().read(p, mmap=mmap)
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of a checkpoint file (for `sniff.kind_of`)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(HEAD_BYTES)
+    except FileNotFoundError as e:
+        raise FileMissingError("no such checkpoint", source=str(path)) from e
+    except IsADirectoryError as e:
+        raise FileMissingError("checkpoint path is a directory", source=str(path)) from e
+    except OSError as e:
+        raise RecorderError(f"cannot read checkpoint: {e}", source=str(path)) from e
 
 
 def _adapter_recorder(module: str, name: str, path: Path) -> RecorderBase:

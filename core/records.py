@@ -11,6 +11,7 @@ import dataclasses
 import random
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
@@ -106,7 +107,7 @@ def from_item_as(tp: Any, item: Item, device: Any, key: str = "") -> Any:
         return _tensor_as(tp, item, device, key)
     if isinstance(item, list):
         args = typing.get_args(tp)
-        if origin is tuple:
+        if origin is tuple or tp is tuple:
             if len(args) == 2 and args[1] is Ellipsis:
                 return tuple(from_item_as(args[0], v, device, join_key(key, i)) for i, v in enumerate(item))
             if args and len(args) == len(item):
@@ -140,6 +141,7 @@ def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
 _DC = TypeVar("_DC", bound=type)
 
 
+@typing.dataclass_transform()
 def record(cls: _DC) -> _DC:
     """Make a dataclass a `Record` whose item is a map of its fields.
 
@@ -152,10 +154,14 @@ def record(cls: _DC) -> _DC:
         cls = typing.cast(_DC, dataclass(cls))
 
     def into_item(self: Any, settings: PrecisionSettings) -> Item:
-        return {
-            f.name: to_item(getattr(self, f.name), settings, f.name)
-            for f in dataclasses.fields(self)
-        }
+        hints = _hints(type(self))
+        out: dict[str, Item] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in hints:
+                _check_declared(hints[f.name], value, f"{type(self).__qualname__}.{f.name}")
+            out[f.name] = to_item(value, settings, f.name)
+        return out
 
     def from_item(klass: Any, item: Item, device: Any = None) -> Any:
         if not isinstance(item, dict):
@@ -180,6 +186,104 @@ def _hints(cls: type) -> dict[str, Any]:
         return typing.get_type_hints(cls)
     except Exception:  # unresolvable forward references: fall back to plain items
         return {}
+
+
+def _check_declared(tp: Any, value: Any, where: str) -> None:
+    """Raise `TypeError` when `value` would not load back (`from_item_as`) as a value of
+    its declared type `tp`: a record of another type, a tensor where a scalar is
+    declared, a list where a tensor is. Saving it would succeed and loading would fail or
+    change its type, so the save refuses."""
+    why = _mismatch(tp, value)
+    if why is not None:
+        hint = (f"declare it `{_type_name(type(value))}" + (" | None`" if value is not None and
+                typing.get_origin(tp) in (Union, types.UnionType) else "`")
+                if hasattr(type(value), "from_item") else "store a value of the declared type")
+        raise TypeError(
+            f"{where} is declared {_type_name(tp)} but holds {why}, which would not load back "
+            f"as one: {hint} (or change the annotation)"
+        )
+
+
+def _mismatch(tp: Any, value: Any) -> str | None:
+    """What in `value` does not rebuild as `tp` (None when it does, or when `tp` is a
+    type `from_item_as` does not rebuild by)."""
+    if tp is Any:  # a class since Python 3.11: never isinstance-checked
+        return None
+    origin = tp if tp in (list, tuple, dict) else typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            return None if type(None) in args else _held(None)
+        non_none = [a for a in args if a is not type(None)]
+        return _mismatch(non_none[0], value) if len(non_none) == 1 else None
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return _held(value)
+        args = typing.get_args(tp)
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            inner = args[0] if args else Any
+            return next((w for w in (_mismatch(inner, v) for v in value) if w), None)
+        if args and len(args) != len(value):
+            return f"a tuple of {len(value)}"
+        return next((w for w in (_mismatch(a, v) for a, v in zip(args, value)) if w), None)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _held(value)
+        args = typing.get_args(tp)
+        inner = args[1] if len(args) == 2 else Any
+        return next((w for w in (_mismatch(inner, v) for v in value.values()) if w), None)
+    if origin is not None or not isinstance(tp, type) or tp is object:
+        return None  # Any, TypeVars, Literal, abstract collections: rebuilt as stored
+    if hasattr(tp, "from_item"):
+        same = isinstance(value, tp) and all(  # a subclass that records itself as `tp` does
+            _func(type(value), m) is _func(tp, m) for m in ("into_item", "from_item"))
+        return None if same else _held(value)
+    if value is None:
+        return None if tp is type(None) else _held(None)
+    # what `to_item` records as a tensor (a numpy float64 is a float, np.str_ a str)
+    tensor = not isinstance(value, (bool, int, float, str, bytes)) and _is_tensor(value)
+    if tp is np.ndarray or issubclass(tp, np.generic) or _is_tensor_type(tp):
+        return None if tensor else _held(value)
+    if tensor:
+        return _held(value)  # a numpy scalar or tensor comes back as an array
+    if tp is float:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else _held(value)
+    return None if isinstance(value, tp) else _held(value)
+
+
+def _func(cls: type, name: str) -> Any:
+    attr = getattr(cls, name, None)
+    return getattr(attr, "__func__", attr)
+
+
+def _held(value: Any) -> str:
+    tp = type(value)
+    return f"a value of type {tp.__qualname__}" + ("" if tp.__module__ == "builtins" else f" ({tp.__module__})")
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    if isinstance(tp, type) and typing.get_origin(tp) is None:
+        return tp.__qualname__
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None and args:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__qualname__', origin)}[{inner}]"
+    return str(tp).replace("typing.", "")
+
+
+def _is_tensor(value: Any) -> bool:
+    if isinstance(value, (np.ndarray, np.generic, TensorData)):
+        return True
+    backend = backend_for(value)
+    return backend is not None and backend.is_tensor(value)
+
+
+def _is_tensor_type(tp: type) -> bool:
+    return backend_for(tp) is not None
 
 
 # -- RNG state ----------------------------------------------------------------------------
@@ -322,7 +426,7 @@ def expect_kind(record: Any, kind: str, component: str) -> Item:
 
 
 def check_tensor_map(
-    item: Item,
+    item: Item | Mapping[str, Item],
     expected: dict[str, tuple[tuple[int, ...], Any]],
     component: str,
     *,

@@ -179,15 +179,11 @@ class TrainingRecord(Generic[U]):
         **load_kw: Any,
     ) -> TrainingRecord[U]:
         """Read a combined record using the selected recorder and device."""
-        loader = getattr(recorder, "read", None)
-        if loader is not None:
-            header, item = loader(args, **load_kw)
-            if header.record_type != cls.RECORD_NAME:
-                raise RecordMismatchError(
-                    f"payload holds a {header.record_type}, not a TrainingRecord", source=str(args)
-                )
-        else:
-            item = recorder.load_item(args)
+        header, item = recorder.read(args, **load_kw)
+        if header.record_type != cls.RECORD_NAME:
+            raise RecordMismatchError(
+                f"payload holds a {header.record_type}, not a TrainingRecord", source=str(args)
+            )
         return cls.from_item(item, device, state_type)
 
     # -- restore ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -74,7 +75,8 @@ class JaxBackend:
         try:
             devices = jax.devices(kind)
         except RuntimeError:
-            raise ValueError(f"{spec!r}: this machine has no {kind} devices for JAX") from None
+            what = "no CUDA device is visible to JAX" if kind == "gpu" else f"JAX has no {kind} devices"
+            raise ValueError(f"{spec!r}: {what}; restore to 'cpu'") from None
         i = int(index) if index.isdigit() else 0 if not index else -1
         if not 0 <= i < len(devices):
             raise ValueError(f"{spec!r}: JAX has {len(devices)} {kind} devices")
@@ -98,12 +100,13 @@ class JaxBackend:
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
         if isinstance(tensor, jax.Array):
             tensor.copy_to_host_async()
-            while not tensor.is_ready():
+            while not tensor.is_ready():  # type: ignore[attr-defined]  # missing from jax.Array's stub
                 await asyncio.sleep(0.0005)
         return self.to_host(tensor)
 
     def from_host(self, array: np.ndarray[Any, Any], device: Any) -> jax.Array:
-        return jax.device_put(np.array(array, copy=True), self.device(device))
+        out: jax.Array = jax.device_put(np.array(array, copy=True), self.device(device))
+        return out
 
     def cast(self, tensor: Any, dtype: DType) -> jax.Array:
         if tensor.dtype == dtype.numpy:
@@ -172,6 +175,14 @@ def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, I
     return dict(item)
 
 
+def _is_dict(tree: Any) -> bool:
+    """A dict or a flax `FrozenDict` (flax linen variables come as either)."""
+    if isinstance(tree, dict):
+        return True
+    frozen = sys.modules.get("flax.core.frozen_dict")
+    return frozen is not None and isinstance(tree, frozen.FrozenDict)
+
+
 class JaxModule:
     """A parameter pytree as an `AutodiffModule`: plain nested dicts, flax linen variables
     (`{"params": ..., "batch_stats": ...}`: only `params` is trainable) or a flax nnx
@@ -187,10 +198,7 @@ class JaxModule:
         return _BACKEND
 
     def _trainable_prefix(self) -> str:
-        p = self.params
-        if isinstance(p, dict) and "params" in p and len(p) > 1 or (isinstance(p, dict) and set(p) == {"params"}):
-            return "params"
-        return ""
+        return "params" if _is_dict(self.params) and "params" in self.params else ""
 
     def trainable(self) -> Any:
         """The subtree that receives gradients (`params` of flax variables, else all)."""
@@ -278,13 +286,24 @@ class JaxLrScheduler:
 
 def grads_from(grad_tree: Any, module: JaxModule) -> GradientsParams:
     """Gradients by ParamId from a gradient pytree shaped like the module's trainable
-    tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module."""
+    tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module, in
+    any container: dict, flax `FrozenDict`, nnx `State` or `nnx.to_pure_dict`'s dicts.
+    Raises `ValueError` when `grad_tree` has leaves of which none is for a parameter of
+    `module`."""
     if not isinstance(module, JaxModule):
         raise TypeError(f"module must be a JaxModule, got {type(module).__name__}")
-    leaves, treedef = flatten(grad_tree)
+    leaves, _ = flatten(grad_tree)
+    ids = set(module.param_ids())
     prefix = module._trainable_prefix()
-    if prefix and treedef == jax.tree_util.tree_structure(module.trainable()):
-        leaves = {f"{prefix}.{k}": v for k, v in leaves.items()}
+    if prefix:
+        qualified = {f"{prefix}.{k}": v for k, v in leaves.items()}
+        if sum(k in ids for k in qualified) > sum(k in ids for k in leaves):
+            leaves = qualified
+    if leaves and not ids.intersection(leaves):
+        raise ValueError(
+            f"none of the gradient tree's {len(leaves)} leaves is a parameter of the module: "
+            f"leaves {sorted(leaves)[:3]}, module parameters {sorted(ids)[:3]}"
+        )
     return GradientsParams(leaves)
 
 

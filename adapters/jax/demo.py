@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,7 @@ class JaxWorkload(Harness):
     state_type = JaxDemoState
     # JAX runs with 32-bit types unless jax_enable_x64 is set
     dtypes = tuple(d for d in DType if d not in (DType.F64, DType.I64, DType.U64))
-    recorders: dict[str, Recorder] = {
+    recorders: ClassVar[dict[str, Recorder]] = {
         "flax": FlaxMsgpackFileRecorder(trainrec.NativePrecisionSettings()),
         "flax-full": FlaxMsgpackFileRecorder(),
     }

@@ -38,9 +38,11 @@ from trainrec.envelope import (
     restore_dtypes,
     verify_checksums,
 )
+from trainrec.format import check_limits
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import store_tensor
 from trainrec.recorders import RecorderBase
+from trainrec.sniff import HEAD_BYTES, kind_of, reader_of
 
 __all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
 
@@ -97,6 +99,8 @@ class FlaxMsgpackFileRecorder(RecorderBase):
     ) -> Path:
         check_item(item)
         path = path_arg(args)
+        # the reader's bounds, at its depths: the item at 0, a tensor one leaf
+        check_limits(item, depth=0, tensor_depth=0, source=str(path))
         checksums: dict[str, int] = {}
         dtypes: dict[str, str] = {}
         packer = msgpack.Packer(use_bin_type=True, autoreset=True)
@@ -151,6 +155,9 @@ class FlaxMsgpackFileRecorder(RecorderBase):
 def parse(data: bytes, source: str) -> tuple[Header, Item]:
     """Header and item of a flax-convention msgpack payload (ours or plain flax)."""
     n = len(data)
+    if kind_of(data[:HEAD_BYTES]) in ("namedmpk", "namedmpk.gz", "torch"):
+        raise CorruptRecordError("not a flax msgpack file (wrong magic)"
+                                 + reader_of(data[:HEAD_BYTES], not_="flax"), source=source)
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == 1:

@@ -56,7 +56,7 @@ class _Optimizer:
         hyper, state = item["hyper"], item["state"]
         if not isinstance(hyper, dict) or set(hyper) != set(self.hyper):
             raise RecordMismatchError(
-                f"hyperparameters differ: record {sorted(hyper) if isinstance(hyper, dict) else hyper}, "
+                f"hyperparameters differ: record {sorted(hyper) if isinstance(hyper, dict) else hyper!r}, "
                 f"live {sorted(self.hyper)}",
                 key="optimizer.hyper",
             )

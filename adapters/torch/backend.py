@@ -73,7 +73,9 @@ class TorchBackend:
             raise ValueError(f"{spec!r} is not a torch device: {e}") from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise ValueError(f"{spec!r}: CUDA is not available on this machine")
+                raise ValueError(
+                    f"{spec!r}: no CUDA device is visible to torch (no GPU or driver, a CPU-only "
+                    "torch build, or CUDA_VISIBLE_DEVICES hides them); restore to 'cpu'")
             index = dev.index if dev.index is not None else torch.cuda.current_device()
             if index >= torch.cuda.device_count():
                 raise ValueError(f"{spec!r}: only {torch.cuda.device_count()} CUDA devices")
@@ -113,9 +115,9 @@ class TorchBackend:
         if not t.is_cuda:
             return self.to_host(t)
         buf = self._pinned_copy(t)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves __new__ unannotated
         event.record(torch.cuda.current_stream(t.device))
-        while not event.query():
+        while not event.query():  # type: ignore[no-untyped-call]  # unannotated in torch
             await asyncio.sleep(0.0005)
         return np.array(tensor_to_numpy(buf), copy=True)
 

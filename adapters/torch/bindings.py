@@ -65,8 +65,9 @@ def decode(item: Item, like: Any = None) -> Any:
         out = [decode(v, t) for v, t in zip(item, template)]
         return tuple(out) if isinstance(like, tuple) else out
     if isinstance(item, dict):
-        if set(item) == {_PAIRS} and isinstance(item[_PAIRS], list):
-            pairs = [(decode(p[0]), p[1]) for p in item[_PAIRS] if isinstance(p, list) and len(p) == 2]
+        raw_pairs = item.get(_PAIRS)
+        if set(item) == {_PAIRS} and isinstance(raw_pairs, list):
+            pairs = [(decode(p[0]), p[1]) for p in raw_pairs if isinstance(p, list) and len(p) == 2]
             d: dict[Any, Any] = {k: decode(v, like.get(k) if isinstance(like, Mapping) else None) for k, v in pairs}
         else:
             d = {k: decode(v, like.get(k) if isinstance(like, Mapping) else None) for k, v in item.items()}
@@ -138,7 +139,7 @@ class TorchModule:
         unique, aliases = self._live()
         if item["aliases"] != aliases:
             raise RecordMismatchError(
-                f"tied parameters differ: record {item['aliases']}, live {aliases}", key="model.aliases"
+                f"tied parameters differ: record {item['aliases']!r}, live {aliases}", key="model.aliases"
             )
         expected = {k: (tuple(v.shape), from_torch_dtype(v.dtype)) for k, v in unique.items()}
         params = {k: (tuple(p.shape), from_torch_dtype(p.dtype)) for k, p in self.module.named_parameters()}
@@ -229,7 +230,7 @@ class TorchOptimizer:
                 raise RecordMismatchError("malformed param group", key=f"optimizer.param_groups.{gi}")
             if sorted(map(str, g["params"])) != sorted(ids):  # type: ignore[arg-type]
                 raise RecordMismatchError(
-                    f"param group {gi} holds {g['params']} in the record, {ids} live",
+                    f"param group {gi} holds {g['params']!r} in the record, {ids} live",
                     key=f"optimizer.param_groups.{gi}")
             live_keys = set(self.optimizer.param_groups[gi]) - {"params"}
             if set(g) - {"params"} != live_keys:
@@ -301,7 +302,7 @@ class TorchLrScheduler:
         live = self.scheduler.state_dict()
         if not isinstance(item, dict) or set(item) != set(live):
             raise RecordMismatchError(
-                f"scheduler state keys differ: record {sorted(item) if isinstance(item, dict) else item}, "
+                f"scheduler state keys differ: record {sorted(item) if isinstance(item, dict) else item!r}, "
                 f"live {sorted(live)}", key="scheduler")
         return live  # type: ignore[no-any-return]
 

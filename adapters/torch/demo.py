@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ class TorchWorkload(Harness):
     name = "torch"
     ref = "trainrec.adapters.torch.demo:WORKLOAD"
     state_type = TorchDemoState
-    recorders: dict[str, Recorder] = {
+    recorders: ClassVar[dict[str, Recorder]] = {
         "torch": TorchFileRecorder(trainrec.NativePrecisionSettings()),
         "torch-full": TorchFileRecorder(),
     }
@@ -97,7 +97,7 @@ class TorchWorkload(Harness):
         x, y = self._batch()
         parts.model.train()
         loss = nn.functional.mse_loss(parts.model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         grads = grads_from(parts.model)
         if self.variant == "bf16":
             parts.accumulator.accumulate_with_dtype(parts.model, grads, FloatDType.F32)

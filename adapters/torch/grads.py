@@ -21,11 +21,18 @@ def grads_from(model: nn.Module) -> GradientsParams:
     return grads
 
 
-def set_grads(model: nn.Module, grads: GradientsParams) -> None:
+def set_grads(model: nn.Module, grads: GradientsParams, *, allow_empty: bool = False) -> None:
     """Write `.grad` of every parameter from `grads`, cast to the parameter's dtype and
-    device; parameters absent from `grads` get None."""
+    device; parameters absent from `grads` get None. Empty `grads` (an accumulator's
+    `grads()` taken twice, or before any `accumulate`) would make the next
+    `optimizer.step()` do nothing: they raise `ValueError` unless `allow_empty=True`."""
     if not isinstance(grads, GradientsParams):
         raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
+    if grads.is_empty() and not allow_empty:
+        raise ValueError(
+            "grads is empty: every .grad would be None and optimizer.step() would do nothing "
+            "(was acc.grads() already taken this window?); pass allow_empty=True to clear .grad"
+        )
     for name, p in model.named_parameters():
         g = grads.get(name)
         if g is None:

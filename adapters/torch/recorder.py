@@ -37,9 +37,11 @@ from trainrec.envelope import (
     restore_dtypes,
     verify_checksums,
 )
+from trainrec.format import check_limits
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import store_tensor
 from trainrec.recorders import RecorderBase
+from trainrec.sniff import HEAD_BYTES, kind_of, reader_of
 
 from .backend import from_torch_dtype, tensor_to_numpy, to_torch_dtype
 
@@ -94,6 +96,8 @@ class TorchFileRecorder(RecorderBase):
     ) -> Path:
         check_item(item)
         path = path_arg(args)
+        # the reader's bounds, at its depths: the item at 0, a tensor one leaf
+        check_limits(item, depth=0, tensor_depth=0, source=str(path))
         checksums: dict[str, int] = {}
         dtypes: dict[str, str] = {}
 
@@ -127,6 +131,11 @@ class TorchFileRecorder(RecorderBase):
         source = str(path)
         if not path.exists():
             raise FileMissingError("no such checkpoint", source=source)
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+        if kind_of(head) != "torch":
+            raise CorruptRecordError("not a .pt zip file (wrong magic)" + reader_of(head, not_="torch"),
+                                     source=source)
         try:
             doc = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as e:  # torch raises many types for a bad file; all mean "corrupt"

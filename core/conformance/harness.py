@@ -33,7 +33,7 @@ class Harness:
     """
 
     name: ClassVar[str] = "adapter"
-    ref: ClassVar[str] = ""
+    ref: str = ""  # an instance may name its variant
     state_type: ClassVar[type[Any]]
     device: Any = None
     dtypes: ClassVar[tuple[DType, ...]] = tuple(DType)

@@ -1,0 +1,143 @@
+"""Types users see: `@trainrec.record` classes type-check in user code under
+`mypy --strict`, protocols declare what core calls, `GradientsParams` is a `Mapping`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trainrec
+from trainrec import GradientsParams, Recorder
+from trainrec.protocols import AutodiffModule, LrScheduler, Module, Optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+README_STYLE = '''
+from __future__ import annotations
+
+import numpy as np
+
+import trainrec
+from trainrec import DefaultRecorder, GradientsAccumulator, GradientsParams, RngRecord, TrainingRecord
+from trainrec.adapters.numpy import MLP, SGD
+
+
+@trainrec.record
+class State:                      # your counters and RNG
+    micro: int
+    rng: RngRecord | None = None
+
+
+def train(model: MLP, optimizer: SGD, gen: np.random.Generator) -> State:
+    acc: GradientsAccumulator[MLP] = GradientsAccumulator()
+    state = State(0)
+    for _ in range(4):
+        _, grads = model.loss_and_grads(np.ones((2, 3), np.float32), np.ones((2, 2), np.float32))
+        acc.accumulate(model, grads)
+        state.micro += 1
+    summed: GradientsParams = acc.grads()
+    first: object = summed["layers.0.weight"]
+    names: list[str] = list(summed.keys())
+    state.rng = RngRecord.capture(gen)
+    TrainingRecord.capture(model, optimizer, None, acc, state).save(DefaultRecorder(), "ckpt.mpk")
+    rec = TrainingRecord.load(DefaultRecorder(), "ckpt.mpk", "cpu", state_type=State)
+    r = rec.restore(model, optimizer, None, "cpu")
+    restored: State = r.state
+    if restored.rng is not None:
+        restored.rng.apply(gen)
+    print(first, names)
+    return restored
+'''
+
+WRONG = '''
+import trainrec
+
+
+@trainrec.record
+class State:
+    micro: int
+
+
+State("zero")
+'''
+
+
+def _installed_layout(where: Path) -> Path:
+    """`trainrec` as it is installed (core/ with adapters/ inside), as links: mypy cannot
+    follow the editable install's import hook."""
+    pkg = where / "trainrec"
+    pkg.mkdir(parents=True)
+    for entry in (ROOT / "core").iterdir():
+        if entry.name != "__pycache__":
+            (pkg / entry.name).symlink_to(entry)
+    (pkg / "adapters").symlink_to(ROOT / "adapters")
+    return where
+
+
+def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    pytest.importorskip("mypy")
+    layout = _installed_layout(tmp_path / "site")
+    user = tmp_path / "user.py"
+    user.write_text(textwrap.dedent(source))
+    return subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--follow-imports=silent",
+         "--cache-dir", str(tmp_path / "cache"), str(user)],
+        capture_output=True, text=True, cwd=tmp_path, env={"MYPYPATH": str(layout), "PATH": ""},
+        timeout=600,
+    )
+
+
+def test_record_dataclass_transform_lets_user_code_pass_mypy_strict(tmp_path):
+    ok = _mypy(tmp_path, README_STYLE)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_mypy_checks_a_records_constructor_against_its_fields(tmp_path):
+    bad = _mypy(tmp_path, WRONG)
+    assert bad.returncode == 1
+    assert 'Argument 1 to "State" has incompatible type "str"; expected "int"' in bad.stdout, bad.stdout
+
+
+def test_record_carries_dataclass_transform():
+    assert getattr(trainrec.record, "__dataclass_transform__", None) is not None
+
+
+# -- protocols declare what core calls ------------------------------------------------------
+
+
+def test_recorder_protocol_declares_read_which_training_record_load_calls():
+    assert "read" in dir(Recorder)
+    assert Recorder.read.__annotations__["return"] == "tuple[Header, Item]"
+
+
+@pytest.mark.parametrize("proto", [Module, AutodiffModule, Optimizer, LrScheduler])
+def test_component_protocols_return_state_records(proto):
+    hints = typing.get_type_hints(proto.into_record, {"StateRecord": trainrec.StateRecord,
+                                                      "AutodiffModule": AutodiffModule})
+    assert hints["return"] is trainrec.StateRecord
+
+
+# -- GradientsParams is a Mapping -----------------------------------------------------------
+
+
+def test_gradients_params_is_a_mapping_keeping_burns_methods():
+    a, b = np.ones(2, np.float32), np.zeros(3, np.float32)
+    g = GradientsParams({"a": a, "b": b})
+    assert isinstance(g, Mapping)
+    assert g["a"] is a and list(g.keys()) == ["a", "b"] and [v is b for v in g.values()] == [False, True]
+    assert dict(g) == {"a": a, "b": b} or set(dict(g)) == {"a", "b"}
+    assert [k for k, _ in g.items()] == ["a", "b"]
+    with pytest.raises(KeyError, match="no gradient for ParamId 'c'"):
+        g["c"]
+    g.register("c", a)
+    assert g.get("c") is a and g.get("missing") is None and g.len() == 3 and not g.is_empty()
+    assert g.remove("c") is a and "c" not in g and len(g) == 2
+    assert g == g and g != GradientsParams({"a": a, "b": b})  # identity: tensors do not compare
+    assert hash(g) == hash(g)
