@@ -95,7 +95,7 @@ def _writes_and_reads(item: object, limits: fmt.Limits) -> tuple[bool, bool]:
     unbounded = fmt.Limits(max_header_bytes=1 << 40, max_depth=1 << 20, max_str_bytes=1 << 40,
                            max_dims=1 << 20)
     sink = _Sink()
-    fmt.write_document(sink, item, NATIVE, "Item", unbounded)
+    fmt.write_document(sink, item, NATIVE, "Item", limits=unbounded)
     try:
         fmt.read_document(bytes(sink.data), "<bytes>", limits=limits)
         reads = True
