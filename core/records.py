@@ -32,6 +32,7 @@ __all__ = [
     "from_item_as",
     "expect_kind",
     "check_tensor_map",
+    "kind_mismatches",
 ]
 
 T = TypeVar("T")
@@ -461,6 +462,61 @@ def check_tensor_map(
     if problems:
         raise RecordMismatchError("; ".join(problems), key=component)
     return out
+
+
+def kind_mismatches(item: Item, like: Item, key: str) -> list[str]:
+    """Where `item` (from a record) is not of the kind of `like` (the live value, as an
+    item): a list of problems, each naming its key path; empty when it fits.
+
+    Kinds: bool, number (int or float, never bool), str, bytes, tensor (the same shape
+    and dtype kind), list (the same length, element by element), map (the same keys, key
+    by key). None and bool may stand for each other (optional flags such as torch's
+    `foreach=None`); None stands for nothing else."""
+    problems: list[str] = []
+    _kind_mismatches(item, like, key, problems)
+    return problems
+
+
+def _kind_mismatches(item: Item, like: Item, key: str, problems: list[str]) -> None:
+    where = key or "root"
+    if isinstance(like, TensorData):
+        if not isinstance(item, TensorData):
+            problems.append(f"{where}: {_value_kind(item)} in the record, a tensor live")
+        elif item.shape != like.shape:
+            problems.append(f"{where}: shape {item.shape} in the record, {like.shape} live")
+        elif _kind_of(item.dtype) != _kind_of(like.dtype):
+            problems.append(f"{where}: dtype {item.dtype.value} in the record, {like.dtype.value} live")
+    elif isinstance(like, list):
+        if not isinstance(item, list) or len(item) != len(like):
+            problems.append(f"{where}: {_value_kind(item)} in the record, a list of {len(like)} live")
+        else:
+            for i, (v, w) in enumerate(zip(item, like)):
+                _kind_mismatches(v, w, join_key(key, i), problems)
+    elif isinstance(like, dict):
+        if not isinstance(item, dict) or set(item) != set(like):
+            keys = sorted(item) if isinstance(item, dict) else _value_kind(item)
+            problems.append(f"{where}: {keys} in the record, {sorted(like)} live")
+        else:
+            for k, w in like.items():
+                _kind_mismatches(item[k], w, join_key(key, k), problems)
+    else:
+        have, want = _value_kind(item), _value_kind(like)
+        if have != want and {have, want} != {"bool", "None"}:
+            problems.append(f"{where}: {have} {item!r:.40} in the record, {want} live")
+
+
+def _value_kind(value: Item) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, TensorData):
+        return "tensor"
+    if isinstance(value, dict):
+        return "map"
+    return type(value).__name__
 
 
 def _kind_of(dtype: Any) -> str:

@@ -226,9 +226,11 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
     """Load the three components; if any write fails, put back what they held before.
 
     Everything was checked already, so a failure here is the environment's (a device
-    error, memory). The live objects are backed up to the host first (a capture) and
-    restored from that backup; only when the rollback fails too can they be left partly
-    written, and the error says so."""
+    error, memory) or an interrupt. The live objects are backed up to the host first (a
+    capture) and restored from that backup; an `Exception` then becomes a
+    `RecorderError` saying "rolled back", any other `BaseException` (`KeyboardInterrupt`,
+    `SystemExit`) is re-raised as it came. Only when the rollback fails too can they be
+    left partly written, and the error (or a note on the interrupt) says so."""
     def load_model(r: Any) -> None:
         m.load_record(r, device)
 
@@ -247,16 +249,23 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
         for load, _, new in steps:
             done += 1  # a failing write may have changed its component: roll it back too
             load(new)
-    except Exception as e:
+    except BaseException as e:  # an interrupt (Ctrl-C, SystemExit) too: never leave a mix
         try:
             for load, backup, _ in reversed(steps[:done]):
                 load(backup)
-        except Exception as rollback_error:
-            raise RecorderError(
+        except BaseException as rollback_error:
+            message = (
                 f"restore failed while writing ({e!r}) and so did the rollback "
                 f"({rollback_error!r}): the live model, optimizer and scheduler may be "
                 "partly restored"
-            ) from e
+            )
+            interrupt = next((x for x in (e, rollback_error) if not isinstance(x, Exception)), None)
+            if interrupt is not None:
+                interrupt.add_note(message)
+                raise interrupt
+            raise RecorderError(message) from e
+        if not isinstance(e, Exception):
+            raise  # rolled back: the interrupt goes on as it came
         raise RecorderError(
             f"restore failed while writing into the live objects ({e!r}); they were rolled "
             "back to their previous state"

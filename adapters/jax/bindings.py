@@ -22,7 +22,7 @@ import numpy as np
 
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
 from trainrec.items import Item
-from trainrec.records import check_tensor_map, expect_kind
+from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
            "JaxAdapter", "ADAPTER", "key_path", "flatten"]
@@ -172,6 +172,9 @@ def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, I
         raise RecordMismatchError(
             f"structure differs from the live pytree: missing {missing}, unexpected {wrong}",
             key=component)
+    problems = [p for k, v in scalars.items() for p in kind_mismatches(v, _host(live[k]), k)]
+    if problems:
+        raise RecordMismatchError("; ".join(problems), key=component)
     return dict(item)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
 from trainrec.items import Item
-from trainrec.records import check_tensor_map, expect_kind
+from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
 
 from .mlp import MLP
 
@@ -24,7 +24,7 @@ _Array = np.ndarray[Any, Any]
 
 class _Optimizer:
     kind = ""
-    _buffers: tuple[str, ...] = ()
+    _state_names: tuple[str, ...] = ()  # per-parameter state after a first step
 
     def __init__(self, **hyper: float | bool) -> None:
         self.hyper: dict[str, float | bool] = dict(hyper)
@@ -38,6 +38,10 @@ class _Optimizer:
 
     def _update(self, lr: float, p: _Array, g: _Array, s: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def _state_keys(self, hyper: dict[str, Any]) -> tuple[str, ...]:
+        """The keys of a parameter's state after its first step, under `hyper`."""
+        return self._state_names
 
     def into_record(self, module: Any) -> StateRecord:
         state: dict[str, Item] = {}
@@ -60,6 +64,9 @@ class _Optimizer:
                 f"live {sorted(self.hyper)}",
                 key="optimizer.hyper",
             )
+        problems = kind_mismatches(hyper, dict(self.hyper), "")
+        if problems:
+            raise RecordMismatchError("; ".join(problems), key="optimizer.hyper")
         if not isinstance(state, dict):
             raise RecordMismatchError("optimizer state must be a map", key="optimizer.state")
         shapes = module.param_shapes()
@@ -68,18 +75,23 @@ class _Optimizer:
             raise RecordMismatchError(
                 f"state for parameters the model lacks: {unknown}", key="optimizer.state"
             )
+        keys = self._state_keys(hyper)
         out: dict[str, dict[str, Any]] = {}
         for pid, entry in state.items():
             dtype = DType.from_numpy(module.params[pid].dtype)
-            expected = {b: (shapes[pid], dtype) for b in self._buffers}
+            expected = {b: (shapes[pid], dtype) for b in keys if b != "step"}
             where = f"optimizer.state.{pid}"
             if not isinstance(entry, dict):
                 raise RecordMismatchError("per-parameter state must be a map", key=where)
-            tensors = {k: v for k, v in entry.items() if isinstance(v, TensorData)}
+            if entry and set(entry) != set(keys):  # empty: no step yet
+                raise RecordMismatchError(
+                    f"state keys {sorted(entry)} in the record, the optimizer keeps {sorted(keys)}",
+                    key=where)
+            tensors = {k: v for k, v in entry.items() if k != "step"}
             check_tensor_map(tensors, expected, where, allow_subset=True)
-            for k, v in entry.items():
-                if not isinstance(v, TensorData) and (k != "step" or not isinstance(v, (int, float))):
-                    raise RecordMismatchError(f"unexpected state entry {k!r}", key=where)
+            step = entry.get("step", 0.0)
+            if isinstance(step, bool) or not isinstance(step, (int, float)):
+                raise RecordMismatchError(f"step must be a number, got {step!r:.40}", key=where)
             out[pid] = dict(entry)  # the record's order: a restored run re-saves the same bytes
         return dict(hyper), out
 
@@ -102,7 +114,10 @@ class SGD(_Optimizer):
     """torch.optim.SGD: L2 weight decay, momentum with dampening, nesterov."""
 
     kind = "trainrec.numpy.SGD"
-    _buffers = ("momentum_buffer",)
+    _state_names = ("momentum_buffer",)
+
+    def _state_keys(self, hyper: dict[str, Any]) -> tuple[str, ...]:
+        return self._state_names if hyper["momentum"] else ()
 
     def __init__(
         self, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
@@ -133,7 +148,7 @@ class Adam(_Optimizer):
     """torch.optim.Adam (L2 weight decay added to the gradient; no AMSGrad)."""
 
     kind = "trainrec.numpy.Adam"
-    _buffers = ("exp_avg", "exp_avg_sq")
+    _state_names = ("step", "exp_avg", "exp_avg_sq")
     _decoupled = False
 
     def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,

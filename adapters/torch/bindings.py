@@ -22,7 +22,7 @@ from torch import nn
 
 from trainrec import RecordMismatchError, StateRecord, TensorData
 from trainrec.items import Item, join_key
-from trainrec.records import check_tensor_map, expect_kind
+from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
 
 from .backend import TorchBackend, from_torch_dtype, numpy_to_tensor
 
@@ -232,28 +232,37 @@ class TorchOptimizer:
                 raise RecordMismatchError(
                     f"param group {gi} holds {g['params']!r} in the record, {ids} live",
                     key=f"optimizer.param_groups.{gi}")
-            live_keys = set(self.optimizer.param_groups[gi]) - {"params"}
+            live_g = self.optimizer.param_groups[gi]
+            live_keys = set(live_g) - {"params"}
             if set(g) - {"params"} != live_keys:
                 raise RecordMismatchError(
                     f"hyperparameters differ: record {sorted(set(g) - {'params'})}, live {sorted(live_keys)}",
                     key=f"optimizer.param_groups.{gi}")
+            problems = [p for k in sorted(live_keys)
+                        for p in kind_mismatches(g[k], encode(live_g[k], k), k)]
+            if problems:
+                raise RecordMismatchError(
+                    "; ".join(problems), key=f"optimizer.param_groups.{gi}")
         if not isinstance(state, dict):
             raise RecordMismatchError("optimizer state must be a map", key="optimizer.state")
         params = dict(_torch_module(module).named_parameters())
+        group_of = {str(pid): g for g in groups for pid in g["params"]}  # type: ignore[union-attr, index]
+        expected_keys = _STATE_KEYS.get(type(self.optimizer))
         for pid, entry in state.items():
             where = f"optimizer.state.{pid}"
             if pid not in params:
                 raise RecordMismatchError("state for a parameter the model lacks", key=where)
+            if pid not in group_of:
+                raise RecordMismatchError("state for a parameter the optimizer does not update", key=where)
             if not isinstance(entry, dict):
                 raise RecordMismatchError("per-parameter state must be a map", key=where)
             p = params[pid]
-            for name, v in entry.items():
-                # state tensors of the parameter's rank (exp_avg, momentum_buffer, ...) must
-                # have its shape; others (0-d `step`, factored moments) pass through
-                if isinstance(v, TensorData) and len(v.shape) == p.ndim > 0 and v.shape != tuple(p.shape):
-                    raise RecordMismatchError(
-                        f"{name}: shape {v.shape} in the record, parameter has {tuple(p.shape)}",
-                        key=where)
+            if expected_keys is not None:
+                problems = _builtin_state_mismatches(entry, expected_keys(group_of[pid]), p)
+            else:
+                problems = _state_mismatches(entry, self.optimizer.state.get(p), p)
+            if problems:
+                raise RecordMismatchError("; ".join(problems), key=where)
         return item
 
     def check_record(self, record: Any, module: Any) -> None:
@@ -271,6 +280,85 @@ class TorchOptimizer:
             groups.append(hyper)
         state = {index[pid]: decode(entry) for pid, entry in item["state"].items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# Per-parameter state that torch's own optimizers create, from their group's
+# hyperparameters: key -> "param" (a tensor of the parameter's shape and dtype kind),
+# "scalar" (a 0-d float tensor; `step` may also be a number, which torch converts) or
+# "none" (None or absent: SGD without momentum, which torch < 2.1 recorded as None). An
+# entry holds exactly these keys, or none before the first step. Only these classes,
+# exactly: a subclass may keep more state.
+_StateKeys = dict[str, str]
+
+
+def _adam_keys(g: Any) -> _StateKeys:
+    keys = {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"}
+    return {**keys, "max_exp_avg_sq": "param"} if g.get("amsgrad") else keys
+
+
+def _rmsprop_keys(g: Any) -> _StateKeys:
+    keys = {"step": "scalar", "square_avg": "param"}
+    if g.get("momentum"):
+        keys["momentum_buffer"] = "param"
+    if g.get("centered"):
+        keys["grad_avg"] = "param"
+    return keys
+
+
+_optim = torch.optim
+_STATE_KEYS: dict[type, Any] = {
+    _optim.SGD: lambda g: {"momentum_buffer": "param" if g.get("momentum") else "none"},
+    _optim.Adam: _adam_keys,
+    _optim.AdamW: _adam_keys,
+    _optim.Adamax: lambda g: {"step": "scalar", "exp_avg": "param", "exp_inf": "param"},
+    _optim.NAdam: lambda g: {"step": "scalar", "mu_product": "scalar", "exp_avg": "param",
+                             "exp_avg_sq": "param"},
+    _optim.RAdam: lambda g: {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"},
+    _optim.Adagrad: lambda g: {"step": "scalar", "sum": "param"},
+    _optim.Adadelta: lambda g: {"step": "scalar", "square_avg": "param", "acc_delta": "param"},
+    _optim.RMSprop: _rmsprop_keys,
+    _optim.Rprop: lambda g: {"step": "scalar", "prev": "param", "step_size": "param"},
+    _optim.ASGD: lambda g: {"step": "scalar", "eta": "scalar", "mu": "scalar", "ax": "param"},
+}
+
+
+def _builtin_state_mismatches(entry: dict[str, Any], keys: _StateKeys, p: torch.Tensor) -> list[str]:
+    required = {k for k, kind in keys.items() if kind != "none"}
+    if entry and not required <= set(entry) <= set(keys):
+        return [f"state keys {sorted(entry)} in the record, the optimizer keeps {sorted(required)}"]
+    shape, kind = tuple(p.shape), from_torch_dtype(p.dtype)
+    problems = []
+    for name, v in entry.items():
+        if keys[name] == "none":
+            if v is not None:
+                problems.append(f"{name}: {type(v).__name__} in the record, None expected")
+        elif keys[name] == "param":
+            if not isinstance(v, TensorData):
+                problems.append(f"{name}: {type(v).__name__} in the record, a tensor of shape {shape} expected")
+            elif v.shape != shape:
+                problems.append(f"{name}: shape {v.shape} in the record, the parameter's {shape} expected")
+            elif (v.dtype.is_float, v.dtype.is_int) != (kind.is_float, kind.is_int):
+                problems.append(f"{name}: dtype {v.dtype.value} in the record, parameter is {kind.value}")
+        elif isinstance(v, TensorData):
+            if v.shape != () or not v.dtype.is_float:
+                problems.append(f"{name}: a {v.dtype.value} tensor of shape {v.shape} in the record, "
+                                "a 0-d float tensor expected")
+        elif name != "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
+            problems.append(f"{name}: {type(v).__name__} {v!r:.40} in the record, a 0-d float tensor expected")
+    return problems
+
+
+def _state_mismatches(entry: dict[str, Any], live: Any, p: torch.Tensor) -> list[str]:
+    """Any other optimizer: like its live state for the parameter, when it has one;
+    otherwise a tensor of the parameter's rank must have its shape (`exp_avg`,
+    `momentum_buffer`; others, such as 0-d `step` or factored moments, pass)."""
+    if live:
+        return kind_mismatches(entry, encode(live), "")
+    return [
+        f"{name}: shape {v.shape} in the record, parameter has {tuple(p.shape)}"
+        for name, v in entry.items()
+        if isinstance(v, TensorData) and len(v.shape) == p.ndim > 0 and v.shape != tuple(p.shape)
+    ]
 
 
 # -- scheduler ----------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Every ```python block of README.md runs as written, each in a fresh interpreter.
+
+A block that needs torch, jax, flax or optax is skipped when that package is not
+installed. A block that is not meant to run must say so, and why, in an HTML comment on
+the line before its fence: `<!-- readme-test: not run: <the reason> -->`."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+_NOT_RUN = re.compile(r"<!-- readme-test: not run:(.*?)-->[ \t]*\n\Z")
+_OPTIONAL = ("torch", "jax", "flax", "optax")
+_IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
+TIMEOUT_S = 300
+
+
+def _python_blocks() -> list[tuple[int, str, str | None]]:
+    """(line of the fence, code, reason it is not run or None) for every python block."""
+    text = README.read_text(encoding="utf-8")
+    blocks = []
+    for m in _FENCE.finditer(text):
+        if m.group(1).lower() not in ("python", "py", "python3"):
+            continue
+        marker = _NOT_RUN.search(text, 0, m.start())
+        blocks.append((text.count("\n", 0, m.start()) + 1, m.group(2),
+                       marker.group(1).strip() if marker else None))
+    return blocks
+
+
+BLOCKS = _python_blocks()
+
+
+def test_the_readme_has_runnable_examples_and_next_to_no_exceptions():
+    assert len(BLOCKS) >= 3, "README.md lost its examples, or this test no longer finds them"
+    not_run = [(line, reason) for line, _, reason in BLOCKS if reason is not None]
+    assert all(reason for _, reason in not_run), f"a not-run block must say why: {not_run}"
+    assert len(not_run) <= 1, f"blocks not run: {not_run}"
+    stray = README.read_text(encoding="utf-8").count("readme-test:") - len(not_run)
+    assert stray == 0, "a readme-test marker that is not right before a python block"
+
+
+@pytest.mark.parametrize(("line", "code", "reason"), BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
+def test_readme_block_runs(line, code, reason, tmp_path):
+    if reason is not None:
+        pytest.skip(f"README.md:{line} is not meant to run: {reason}")
+    missing = sorted({m for m in _IMPORT.findall(code) if m in _OPTIONAL and importlib.util.find_spec(m) is None})
+    if missing:
+        pytest.skip(f"README.md:{line} needs {', '.join(missing)}")
+    script = tmp_path / f"readme_{line}.py"
+    script.write_text(code, encoding="utf-8")
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"README.md:{line}: the block did not finish in {TIMEOUT_S} s")
+    assert done.returncode == 0, (
+        f"README.md:{line}: the block exits {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    )
