@@ -39,6 +39,8 @@ __all__ = [
     "read_document",
     "Limits",
     "check_magic",
+    "decode_msgpack",
+    "Ext",
 ]
 
 FORMAT_NAME = "trainrec.namedmpk"
@@ -321,6 +323,33 @@ def _tensor_cost(ndim: int) -> int:
     return 256 + 8 * ndim
 
 
+_VIEW_COST = 256
+"""A memoryview and what it is wrapped in (`Ext`)."""
+
+
+@dataclass(frozen=True)
+class Ext:
+    """A msgpack ext value from `decode_msgpack`: its type code and a view of its payload."""
+
+    code: int
+    data: memoryview
+
+
+def decode_msgpack(buf: Any, source: str, *, limits: Limits | None = None) -> object:
+    """The one msgpack value that fills `buf`, read with the NamedMpk reader's bounds
+    (`Limits`: every length checked against the bytes that remain, nesting, string size,
+    the object budget; str map keys, no duplicates). Bins and ext payloads come back as
+    read-only memoryviews of `buf` (ext values as `Ext`), never copied.
+    Raises `CorruptRecordError` naming `source`."""
+    p = _Parser(memoryview(buf).toreadonly(), source, limits or Limits(), plain=True)
+    if not p.end:
+        raise p.fail("empty payload", "")
+    v = p.value("", 1)
+    if p.pos != p.end:
+        raise p.fail(f"{p.end - p.pos} bytes of trailing data after the document", "")
+    return v
+
+
 class _Span:
     __slots__ = ("length", "offset")
 
@@ -336,7 +365,8 @@ and returns how many are."""
 
 class _Parser:
     def __init__(
-        self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False
+        self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False,
+        plain: bool = False,
     ) -> None:
         self.buf = buf
         self.mv = memoryview(buf).cast("B")
@@ -349,6 +379,8 @@ class _Parser:
         self.avail = 0 if wait is not None else self.end
         self.eager = eager
         self.budget = limits.object_budget(self.end)
+        self.plain = plain
+        """Plain msgpack (`decode_msgpack`): no tensor maps; ext values and bins as views."""
         self.strs: dict[bytes, str] = {}
         self.stop = self.end
         """No value may extend past this offset (the header limit while the header is read)."""
@@ -445,6 +477,9 @@ class _Parser:
             span = _Span(self.take(n, key, wait=not spans), n)
             if spans:
                 return span
+            if self.plain:
+                self.charge(_VIEW_COST, key)
+                return self.mv[span.offset : span.offset + n]
             self.charge(_bytes_cost(n), key)
             return self.to_bytes(span)
         if b == 0xCA:
@@ -463,6 +498,12 @@ class _Parser:
             return self.array(self.uint(2 if b == 0xDC else 4, key), key, depth, spans)
         if b in (0xDE, 0xDF):
             return self.map(self.uint(2 if b == 0xDE else 4, key), key, depth)
+        if self.plain and (0xC7 <= b <= 0xC9 or 0xD4 <= b <= 0xD8):
+            n = 1 << (b - 0xD4) if b >= 0xD4 else self.uint(1 << (b - 0xC7), key)
+            code = self.uint(1, key)
+            start = self.take(n, key)
+            self.charge(_VIEW_COST, key)
+            return Ext(code - 256 if code > 127 else code, self.mv[start : start + n])
         raise self.fail(f"msgpack type byte 0x{b:02x} is not used by this format", key)
 
     def array(self, n: int, key: str, depth: int, spans: bool = False) -> list[object]:
@@ -508,7 +549,7 @@ class _Parser:
                 raise self.fail("map keys must be strings", key)
             if k in out:
                 raise self.fail(f"duplicate map key {k!r}", key)
-            if i == 0 and k == TENSOR_KEY:
+            if i == 0 and k == TENSOR_KEY and not self.plain:
                 return self.tensor(n, key, depth)
             out[k] = self.value(join_key(key, k), depth + 1)
         return out
