@@ -543,15 +543,42 @@ class _Parser:
         out: dict[str, object] = {}
         if not n:
             return out
+        mv, strs = self.mv, self.strs
+        inline = depth + 1 <= self.limits.max_depth
+        ready = min(self.avail, self.stop)
         for i in range(n):
-            k = self.value(key, depth + 1)
+            # inline: a short key already seen, then an int or an empty map (state dicts)
+            pos = self.pos
+            k: object = None
+            if inline and pos < ready and 0xA0 <= mv[pos] <= 0xBF:
+                end = pos + 1 + (mv[pos] & 0x1F)
+                if end < ready:
+                    k = strs.get(bytes(mv[pos + 1 : end]))
+                    if k is not None:
+                        self.pos = end
+            if k is None:
+                k = self.value(key, depth + 1)
+                ready = min(self.avail, self.stop)
             if not isinstance(k, str):
                 raise self.fail("map keys must be strings", key)
             if k in out:
                 raise self.fail(f"duplicate map key {k!r}", key)
             if i == 0 and k == TENSOR_KEY and not self.plain:
                 return self.tensor(n, key, depth)
+            pos = self.pos
+            if inline and pos < ready:
+                b = mv[pos]
+                if b <= 0x7F:
+                    self.pos = pos + 1
+                    out[k] = b
+                    continue
+                if b == 0x80:
+                    self.charge(_dict_cost(0), key)
+                    self.pos = pos + 1
+                    out[k] = {}
+                    continue
             out[k] = self.value(join_key(key, k), depth + 1)
+            ready = min(self.avail, self.stop)
         return out
 
     def to_bytes(self, span: _Span) -> bytes:

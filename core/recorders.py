@@ -246,10 +246,11 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
     if magic[:2] == b"\x1f\x8b":
         return NamedMpkGzFileRecorder().read(p)
     if magic[:4] == b"PK\x03\x04":
-        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p)
+        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p, mmap=mmap)
     is_map = bool(magic) and (0x80 <= magic[0] <= 0x8F or magic[0] in (0xDE, 0xDF))
     if is_map and b"trainrec.namedmpk" not in magic:
-        return _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p).read(p)
+        flax = _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p)
+        return flax.read(p, mmap=mmap)
     return NamedMpkFileRecorder().read(p, mmap=mmap)
 
 

@@ -141,16 +141,19 @@ class FlaxMsgpackFileRecorder(RecorderBase):
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         """Header and item; `mmap=True` maps the file (tensors view the map) instead of
-        reading it. The first bytes are checked before the rest is read."""
+        reading it into memory. The structure is checked before the file is read."""
         path = path_arg(args)
         source = str(path)
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 _check_start(os.pread(f.fileno(), 64, 0), source)
-                if mmap:
-                    data: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
-                else:
+                data: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
+                if not mmap:
+                    # the structure first, on the map: a large file that is not a record is
+                    # refused having read only what it took to tell
+                    decode_msgpack(data, source)
+                    del data
                     try:
                         data = bytearray(size)
                     except MemoryError:
