@@ -155,11 +155,14 @@ class FlaxMsgpackFileRecorder(RecorderBase):
                     decode_msgpack(data, source)
                     del data
                     try:
-                        data = bytearray(size)
+                        data = np.empty(size, np.uint8)  # not zero-filled: read into at once
                     except MemoryError:
                         raise RecorderError(f"a file of {size} bytes does not fit in memory",
                                             source=source) from None
-                    if f.readinto(data) != size or f.read(1):
+                    view, got = data.data, 0
+                    while got < size and (n := f.readinto(view[got:])):
+                        got += n
+                    if got != size or f.read(1):
                         raise CorruptRecordError("file changed size while reading", source=source)
         except FileNotFoundError as e:
             raise FileMissingError("no such checkpoint", source=source) from e
