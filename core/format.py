@@ -323,6 +323,7 @@ def _tensor_cost(ndim: int) -> int:
     return 256 + 8 * ndim
 
 
+_EMPTY_DICT_COST = _dict_cost(0)
 _VIEW_COST = 256
 """A memoryview and what it is wrapped in (`Ext`)."""
 
@@ -529,7 +530,9 @@ class _Parser:
                     out.append(unpack(">d", mv, pos + 1)[0])
                     continue
                 if b == 0x80:
-                    self.charge(_dict_cost(0), key)
+                    self.budget -= _EMPTY_DICT_COST
+                    if self.budget < 0:
+                        self.charge(0, key)
                     self.pos = pos + 1
                     out.append({})
                     continue
@@ -573,7 +576,9 @@ class _Parser:
                     out[k] = b
                     continue
                 if b == 0x80:
-                    self.charge(_dict_cost(0), key)
+                    self.budget -= _EMPTY_DICT_COST
+                    if self.budget < 0:
+                        self.charge(0, key)
                     self.pos = pos + 1
                     out[k] = {}
                     continue

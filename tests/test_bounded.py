@@ -298,7 +298,9 @@ def _pt_cases(d: Path) -> dict[str, Path]:
     packed = io.BytesIO()
     with zipfile.ZipFile(packed, "w") as z:
         for info in src.infolist():
-            z.writestr(info.filename, src.read(info.filename), compress_type=zipfile.ZIP_DEFLATED)
+            deflate = "/data/" in info.filename  # only the storage: the pickle is as torch wrote it
+            z.writestr(info.filename, src.read(info.filename),
+                       compress_type=zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
     out["pt-deflated-storage"] = _pt_trailer(packed.getvalue())
     paths = {}
     for name, data in out.items():
