@@ -1,11 +1,15 @@
-"""The trainrec header and checksum table carried by formats other than NamedMpk.
+"""The trainrec header, checksum table and file checksum carried by formats other than
+NamedMpk.
 
 Adapters' recorders (`.pt`, flax `.msgpack`) store a record as a plain map:
 `{"format", "version", "trainrec", "settings", "record", "item", "checksums", "dtypes"}`,
 where `checksums` maps each tensor's key path to the CRC-32 of its stored bytes and
 `dtypes` (since version 1.1) maps the key path of each tensor that precision settings
-stored in another dtype to the dtype it was saved with. These helpers build and check
-those maps, so every such recorder validates the same way.
+stored in another dtype to the dtype it was saved with. From envelope version 2.0 on, the
+file's last four bytes are the CRC-32 (big-endian) of every byte before them (the *file
+checksum*), so nothing in the file, header, structure, scalar or container framing, can
+change unnoticed. These helpers build and check those maps and the file checksum, so every
+such recorder validates the same way.
 """
 
 from __future__ import annotations
@@ -26,8 +30,21 @@ from .precision import restore_tensor, settings_by_name
 from .protocols import PrecisionSettings
 from .tensor import TensorData
 
-__all__ = ["header_fields", "parse_header", "crc_of", "verify_checksums", "restore_dtypes",
-           "path_arg"]
+__all__ = [
+    "header_fields",
+    "parse_header",
+    "crc_of",
+    "verify_checksums",
+    "restore_dtypes",
+    "path_arg",
+    "CrcWriter",
+    "file_crc",
+    "check_file_crc",
+    "FILE_CRC_BYTES",
+]
+
+FILE_CRC_BYTES = 4
+"""The file checksum: the last four bytes, big-endian, CRC-32 of every byte before them."""
 
 
 def header_fields(fmt: str, version: tuple[int, int], settings: PrecisionSettings,
@@ -51,9 +68,11 @@ def parse_header(doc: dict[str, Any], fmt: str, major: int, source: str) -> Head
     if not (isinstance(version, list) and len(version) == 2 and all(isinstance(v, int) for v in version)):
         raise CorruptRecordError("malformed version", source=source, key="version")
     if version[0] != major:
+        why = (" (1.x files carry no checksum over their header and structure; 2.x files "
+               "are checked byte for byte)" if version[0] < major else "")
         raise UnsupportedVersionError(
             f"format version {version[0]}.{version[1]} is not supported; this trainrec reads "
-            f"{major}.x", source=source, key="version")
+            f"{major}.x{why}", source=source, key="version")
     settings, record, checksums = doc.get("settings"), doc.get("record"), doc.get("checksums")
     if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, dict):
         raise CorruptRecordError("header lacks settings, record or checksums", source=source)
@@ -79,12 +98,18 @@ def crc_of(t: TensorData) -> int:
     return crc32(t.array.reshape(-1).view(np.uint8).data)
 
 
-def verify_checksums(item: Item, checksums: Any, source: str) -> None:
-    """Check that `checksums` lists exactly the item's tensors and each matches."""
+def verify_checksums(item: Item, checksums: Any, source: str, *, recompute: bool = True) -> None:
+    """Check that `checksums` lists exactly the item's tensors and (`recompute`) that each
+    matches; without `recompute` (the file checksum covered the tensors' bytes) only that
+    each entry is a CRC-32 value."""
     found = dict(iter_tensors(item))
     if not isinstance(checksums, dict) or set(found) != set(checksums):
         raise CorruptRecordError("the checksum table does not match the tensors", source=source,
                                  key="checksums")
+    if not recompute:
+        if not all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in checksums.values()):
+            raise CorruptRecordError("malformed checksum table", source=source, key="checksums")
+        return
     for key, t in found.items():
         got = crc_of(t)
         if got != checksums[key]:
@@ -120,3 +145,75 @@ def path_arg(args: Any) -> Path:
     if not isinstance(args, (str, os.PathLike)):
         raise TypeError(f"file recorders take a path, got {type(args).__name__}")
     return Path(args)
+
+
+class CrcWriter:
+    """A file-like sink that passes every write on to `out` and keeps the CRC-32 of all of
+    it (`crc`). The last `hold` bytes written are held back (`held`) until `release`, so
+    a writer can still change them (a zip's end record) before they are checksummed."""
+
+    def __init__(self, out: Any, hold: int = 0) -> None:
+        self._out = out
+        self._hold = hold
+        self.held = b""
+        self.crc = 0
+
+    def _emit(self, data: Any) -> None:
+        self.crc = crc32(data, self.crc)
+        self._out.write(data)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if not self._hold:
+            self._emit(view)
+            return n
+        if n >= self._hold:
+            self._emit(self.held)
+            self._emit(view[: n - self._hold])
+            self.held = bytes(view[n - self._hold :])
+        else:
+            joined = self.held + bytes(view)
+            self._emit(joined[: -self._hold] if len(joined) > self._hold else b"")
+            self.held = joined[-self._hold :]
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def release(self, data: bytes) -> None:
+        """Write `data` in place of the held bytes."""
+        self.held = b""
+        self._emit(data)
+
+
+_CRC_READ = 8 << 20
+
+
+def file_crc(f: Any, size: int, source: str) -> tuple[int, int]:
+    """`(computed, stored)` file checksums of the `size`-byte file `f` (read in pieces of
+    8 MiB, from the start); raises `CorruptRecordError` when it is too short to hold one."""
+    if size < FILE_CRC_BYTES:
+        raise CorruptRecordError("file too short to hold its checksum", source=source)
+    buf = bytearray(min(_CRC_READ, size))
+    view = memoryview(buf)
+    f.seek(0)
+    crc, left = 0, size - FILE_CRC_BYTES
+    while left:
+        n = f.readinto(view[: min(left, len(buf))])
+        if not n:
+            raise CorruptRecordError("file shrank while reading", source=source)
+        crc = crc32(view[:n], crc)
+        left -= n
+    tail = f.read(FILE_CRC_BYTES)
+    if len(tail) != FILE_CRC_BYTES:
+        raise CorruptRecordError("file shrank while reading", source=source)
+    return crc, int.from_bytes(tail, "big")
+
+
+def check_file_crc(computed: int, stored: int, source: str) -> None:
+    """Raise `ChecksumError` unless the file checksums agree."""
+    if computed != stored:
+        raise ChecksumError(f"file checksum mismatch (stored {stored:#010x}, computed "
+                            f"{computed:#010x})", source=source, key="")
+

@@ -40,6 +40,9 @@ __all__ = [
     "read_document",
     "Limits",
     "check_limits",
+    "check_magic",
+    "decode_msgpack",
+    "Ext",
 ]
 
 FORMAT_NAME = "trainrec.namedmpk"
@@ -69,6 +72,16 @@ class Limits:
     max_depth: int = 64
     max_str_bytes: int = 16 << 20
     max_dims: int = 32
+    object_bytes: int = 16 << 20
+    """The object budget: decoded values (containers, scalars, tensor objects: their
+    CPython size as `_cost` estimates it) may take this many bytes ..."""
+    object_bytes_per_byte: int = 8
+    """... plus this many per byte of the document. A document that needs more is refused
+    as soon as it does, so a load's memory and time stay proportional to its size."""
+
+    def object_budget(self, size: int) -> int:
+        """The object budget of a document of `size` bytes."""
+        return self.object_bytes + self.object_bytes_per_byte * size
 
 
 def check_limits(
@@ -143,6 +156,36 @@ class _Writer:
         self._dry = dry
         self.pos = 0
         self.crc = 0
+        self.cost = 0
+        """What the reader will charge to its object budget for the values written so far."""
+        self._strs: set[bytes] = set()
+
+    def charge(self, v: object) -> None:
+        """Add the object-budget cost the reader charges for plain value `v`."""
+        if isinstance(v, str):
+            raw = v.encode("utf-8")
+            if len(raw) <= _SHARED_STR_BYTES:
+                if raw in self._strs:
+                    return
+                self._strs.add(raw)
+            self.cost += _str_cost(len(raw))
+        elif isinstance(v, bool) or v is None:
+            return
+        elif isinstance(v, int):
+            self.cost += 0 if -32 <= v <= 127 else _NUMBER_COST
+        elif isinstance(v, float):
+            self.cost += _NUMBER_COST
+        elif isinstance(v, bytes):
+            self.cost += _bytes_cost(len(v))
+        elif isinstance(v, (list, tuple)):
+            self.cost += _list_cost(len(v))
+            for x in v:
+                self.charge(x)
+        elif isinstance(v, dict):
+            self.cost += _dict_cost(len(v))
+            for k, x in v.items():
+                self.charge(k)
+                self.charge(x)
 
     def raw(self, data: bytes) -> None:
         """Structure bytes: counted into the running structure checksum."""
@@ -152,6 +195,7 @@ class _Writer:
 
     def value(self, v: object) -> None:
         self.raw(self._packer.pack(v))
+        self.charge(v)
 
     def checksum(self, crc: int) -> None:
         self.value(_LONGEST_CRC if self._dry else crc)
@@ -168,11 +212,13 @@ class _Writer:
                 self.tensor(t.dtype, t.shape, t.read().reshape(-1).view(np.uint8), saved)
         elif isinstance(item, dict):
             self.raw(self._packer.pack_map_header(len(item)))
+            self.cost += _dict_cost(len(item))
             for k, v in item.items():
                 self.value(k)
                 self.item(v, join_key(key, k))
         elif isinstance(item, list):
             self.raw(self._packer.pack_array_header(len(item)))
+            self.cost += _list_cost(len(item))
             for i, v in enumerate(item):
                 self.item(v, join_key(key, i))
         else:
@@ -197,6 +243,10 @@ class _Writer:
             tail += self._packer.pack_array_header(len(chunks))
         tail += _bin32_header(chunks[0][1] - chunks[0][0])
         pad_len = (-(self.pos + 4 + 2 + len(tail))) % ALIGNMENT
+        self.cost += _dict_cost(5 if saved is None else 6) + _tensor_cost(len(shape))
+        self.cost += _bytes_cost(ALIGNMENT - 1 if self._dry else pad_len)
+        self.cost += _list_cost(len(chunks)) if n > CHUNK_BYTES else 0
+        self.charge("data")
         self.value("pad")
         self.raw(b"\xc4" + bytes([pad_len]) + bytes(pad_len))
         self.raw(tail)
@@ -312,9 +362,73 @@ def _write(
     item_crc = w.crc
     w.value("item_crc")
     w.checksum(item_crc)
+    budget = Limits().object_budget(w.pos)
+    if w.cost > budget:
+        raise CorruptRecordError(
+            f"the item holds more small objects than a reader allows for a document of "
+            f"{w.pos} bytes (object budget {budget} bytes, this item needs {w.cost}; see "
+            "Limits.object_bytes): store large sequences of scalars as tensors"
+        )
 
 
 # -- reading ------------------------------------------------------------------------------
+
+
+# -- the object budget (Limits.object_bytes): what a decoded value costs, estimated as
+# CPython's sizes; the writer charges the same amounts for what it writes (`_Writer.cost`),
+# so a document that saves also loads.
+
+_SHARED_STR_BYTES = 32
+"""The reader decodes a str this short once and shares it; only the first is charged."""
+_NUMBER_COST = 28
+
+
+def _str_cost(n: int) -> int:
+    return 49 + n
+
+
+def _bytes_cost(n: int) -> int:
+    return 33 + n
+
+
+def _list_cost(n: int) -> int:
+    return 56 + 8 * n
+
+
+def _dict_cost(n: int) -> int:
+    return 64 + 40 * n
+
+
+def _tensor_cost(ndim: int) -> int:
+    return 256 + 8 * ndim
+
+
+_EMPTY_DICT_COST = _dict_cost(0)
+_VIEW_COST = 256
+"""A memoryview and what it is wrapped in (`Ext`)."""
+
+
+@dataclass(frozen=True)
+class Ext:
+    """A msgpack ext value from `decode_msgpack`: its type code and a view of its payload."""
+
+    code: int
+    data: memoryview
+
+
+def decode_msgpack(buf: Any, source: str, *, limits: Limits | None = None) -> object:
+    """The one msgpack value that fills `buf`, read with the NamedMpk reader's bounds
+    (`Limits`: every length checked against the bytes that remain, nesting, string size,
+    the object budget; str map keys, no duplicates). Bins and ext payloads come back as
+    read-only memoryviews of `buf` (ext values as `Ext`), never copied.
+    Raises `CorruptRecordError` naming `source`."""
+    p = _Parser(memoryview(buf).toreadonly(), source, limits or Limits(), plain=True)
+    if not p.end:
+        raise p.fail("empty payload", "")
+    v = p.value("", 1)
+    if p.pos != p.end:
+        raise p.fail(f"{p.end - p.pos} bytes of trailing data after the document", "")
+    return v
 
 
 class _Span:
@@ -332,7 +446,8 @@ and returns how many are."""
 
 class _Parser:
     def __init__(
-        self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False
+        self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False,
+        plain: bool = False,
     ) -> None:
         self.buf = buf
         self.mv = memoryview(buf).cast("B")
@@ -344,6 +459,12 @@ class _Parser:
         self.wait = wait
         self.avail = 0 if wait is not None else self.end
         self.eager = eager
+        self.budget = limits.object_budget(self.end)
+        self.plain = plain
+        """Plain msgpack (`decode_msgpack`): no tensor maps; ext values and bins as views."""
+        self.strs: dict[bytes, str] = {}
+        self.stop = self.end
+        """No value may extend past this offset (the header limit while the header is read)."""
 
     def fail(self, message: str, key: str) -> CorruptRecordError:
         return CorruptRecordError(message, source=self.source, key=key)
@@ -354,9 +475,21 @@ class _Parser:
         if upto > self.avail:
             raise self.fail(f"the source ended after {self.avail} of {self.end} bytes", key)
 
+    def charge(self, cost: int, key: str) -> None:
+        """Spend `cost` bytes of the object budget; refuse the document once it is spent."""
+        self.budget -= cost
+        if self.budget < 0:
+            raise self.fail(
+                f"the document decodes to more objects than its size allows (object budget "
+                f"{self.limits.object_budget(self.end)} bytes for {self.end} bytes, see Limits)",
+                key,
+            )
+
     def take(self, n: int, key: str, wait: bool = True) -> int:
         start = self.pos
-        if n > self.end - start:
+        if n > self.stop - start:
+            if self.stop < self.end:
+                raise self.fail(f"header larger than {self.limits.max_header_bytes} bytes", key)
             raise self.fail(
                 f"truncated: {n} bytes declared at offset {start}, only {self.end - start} remain",
                 key,
@@ -381,10 +514,19 @@ class _Parser:
         if n > self.limits.max_str_bytes:
             raise self.fail(f"string of {n} bytes exceeds the limit", key)
         start = self.take(n, key)
+        raw = bytes(self.mv[start : start + n])
+        if n <= _SHARED_STR_BYTES:
+            s = self.strs.get(raw)
+            if s is not None:
+                return s  # keys repeat in every tensor map and state dict: one object each
+        self.charge(_str_cost(n), key)
         try:
-            return bytes(self.mv[start : start + n]).decode("utf-8")
+            s = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail("string is not valid UTF-8", key) from None
+        if n <= _SHARED_STR_BYTES:
+            self.strs[raw] = s
+        return s
 
     def value(self, key: str, depth: int, spans: bool = False) -> object:
         """One msgpack value; tensor maps come back as `TensorData`, bins as bytes (as
@@ -394,6 +536,8 @@ class _Parser:
         b = self.mv[self.take(1, key)]
         if b <= 0x7F:
             return b
+        if 0xCA <= b <= 0xD3:
+            self.charge(_NUMBER_COST, key)  # a float or an int CPython may not cache
         if b >= 0xE0:
             return b - 0x100
         if 0x80 <= b <= 0x8F:
@@ -412,7 +556,13 @@ class _Parser:
             n = self.uint(1 << (b - 0xC4), key)
             # a payload's bytes are waited for piece by piece while it is checksummed
             span = _Span(self.take(n, key, wait=not spans), n)
-            return span if spans else self.to_bytes(span)
+            if spans:
+                return span
+            if self.plain:
+                self.charge(_VIEW_COST, key)
+                return self.mv[span.offset : span.offset + n]
+            self.charge(_bytes_cost(n), key)
+            return self.to_bytes(span)
         if b == 0xCA:
             return float(struct.unpack_from(">f", self.mv, self.take(4, key))[0])
         if b == 0xCB:
@@ -429,24 +579,91 @@ class _Parser:
             return self.array(self.uint(2 if b == 0xDC else 4, key), key, depth, spans)
         if b in (0xDE, 0xDF):
             return self.map(self.uint(2 if b == 0xDE else 4, key), key, depth)
+        if self.plain and (0xC7 <= b <= 0xC9 or 0xD4 <= b <= 0xD8):
+            n = 1 << (b - 0xD4) if b >= 0xD4 else self.uint(1 << (b - 0xC7), key)
+            code = self.uint(1, key)
+            start = self.take(n, key)
+            self.charge(_VIEW_COST, key)
+            return Ext(code - 256 if code > 127 else code, self.mv[start : start + n])
         raise self.fail(f"msgpack type byte 0x{b:02x} is not used by this format", key)
 
     def array(self, n: int, key: str, depth: int, spans: bool = False) -> list[object]:
         self.count(n, 1, key)
-        return [self.value(join_key(key, i), depth + 1, spans) for i in range(n)]
+        self.charge(_list_cost(n), key)
+        out: list[object] = []
+        if depth + 1 > self.limits.max_depth:
+            n = min(n, 1)  # the first element fails the depth check
+        mv, unpack = self.mv, struct.unpack_from
+        ready = min(self.avail, self.stop)
+        for i in range(n):
+            # the common scalars inline: long lists of numbers are common in caller state
+            pos = self.pos
+            if pos < ready:
+                b = mv[pos]
+                if b <= 0x7F:
+                    self.pos = pos + 1
+                    out.append(b)
+                    continue
+                if b == 0xCB and pos + 9 <= ready:
+                    self.charge(_NUMBER_COST, key)
+                    self.pos = pos + 9
+                    out.append(unpack(">d", mv, pos + 1)[0])
+                    continue
+                if b == 0x80:
+                    self.budget -= _EMPTY_DICT_COST
+                    if self.budget < 0:
+                        self.charge(0, key)
+                    self.pos = pos + 1
+                    out.append({})
+                    continue
+            out.append(self.value(join_key(key, i), depth + 1, spans))
+            ready = min(self.avail, self.stop)
+        return out
 
     def map(self, n: int, key: str, depth: int) -> object:
         self.count(n, 2, key)
+        self.charge(_dict_cost(n), key)
         out: dict[str, object] = {}
+        if not n:
+            return out
+        mv, strs = self.mv, self.strs
+        inline = depth + 1 <= self.limits.max_depth
+        ready = min(self.avail, self.stop)
         for i in range(n):
-            k = self.value(key, depth + 1)
+            # inline: a short key already seen, then an int or an empty map (state dicts)
+            pos = self.pos
+            k: object = None
+            if inline and pos < ready and 0xA0 <= mv[pos] <= 0xBF:
+                end = pos + 1 + (mv[pos] & 0x1F)
+                if end < ready:
+                    k = strs.get(bytes(mv[pos + 1 : end]))
+                    if k is not None:
+                        self.pos = end
+            if k is None:
+                k = self.value(key, depth + 1)
+                ready = min(self.avail, self.stop)
             if not isinstance(k, str):
                 raise self.fail("map keys must be strings", key)
             if k in out:
                 raise self.fail(f"duplicate map key {k!r}", key)
-            if i == 0 and k == TENSOR_KEY:
+            if i == 0 and k == TENSOR_KEY and not self.plain:
                 return self.tensor(n, key, depth)
+            pos = self.pos
+            if inline and pos < ready:
+                b = mv[pos]
+                if b <= 0x7F:
+                    self.pos = pos + 1
+                    out[k] = b
+                    continue
+                if b == 0x80:
+                    self.budget -= _EMPTY_DICT_COST
+                    if self.budget < 0:
+                        self.charge(0, key)
+                    self.pos = pos + 1
+                    out[k] = {}
+                    continue
             out[k] = self.value(join_key(key, k), depth + 1)
+            ready = min(self.avail, self.stop)
         return out
 
     def to_bytes(self, span: _Span) -> bytes:
@@ -490,6 +707,10 @@ class _Parser:
                 f"{sum(s.length for s in spans)} are stored",
                 key,
             )
+        # numpy refuses such a shape even with a zero dimension
+        if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:
+            raise self.fail(f"shape {shape!r} is larger than any array can be", key)
+        self.charge(_tensor_cost(len(shape)), key)
         self.spans.extend(spans)
         verified = False
         if self.eager or self.wait is not None:
@@ -595,20 +816,7 @@ def read_document(
             source=source,
             key="item",
         )
-    if not lazy:
-        _touch(item)
-    return header, item
-
-
-def _touch(item: Item) -> None:
-    if isinstance(item, TensorData):
-        item.array  # noqa: B018 - reading verifies the checksum
-    elif isinstance(item, dict):
-        for v in item.values():
-            _touch(v)
-    elif isinstance(item, list):
-        for v in item:
-            _touch(v)
+    return header, item  # eager: the parser has read (and verified) every tensor
 
 
 def _read_header(p: _Parser) -> Header:
@@ -618,12 +826,11 @@ def _read_header(p: _Parser) -> Header:
     first = p.mv[0]
     if not (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)):
         raise p.fail(_wrong_magic(p), "")
+    p.stop = min(p.end, p.limits.max_header_bytes)
     b = p.mv[p.take(1, "")]
     n = b & 0x0F if b <= 0x8F else p.uint(2 if b == 0xDE else 4, "")
     fields: dict[str, object] = {}
     for _ in range(n):
-        if p.pos > p.limits.max_header_bytes:
-            raise p.fail(f"header larger than {p.limits.max_header_bytes} bytes", "")
         key_start = p.pos
         k = p.value("", 1)
         if not isinstance(k, str):
@@ -641,6 +848,7 @@ def _read_header(p: _Parser) -> Header:
                 )
             if n != len(fields) + 3:
                 raise p.fail("the top-level map must end with header_crc, item, item_crc", "")
+            p.stop = p.end
             return _header_from(fields, p)
         fields[k] = p.value(k, 1)
         if k == "format" and fields[k] != FORMAT_NAME:
@@ -653,6 +861,24 @@ def _read_header(p: _Parser) -> Header:
 def _wrong_magic(p: _Parser) -> str:
     head = bytes(p.mv[: min(p.avail, HEAD_BYTES)])
     return "not a trainrec NamedMpk document (wrong magic)" + reader_of(head, not_="namedmpk")
+def check_magic(prefix: Any, source: str) -> None:
+    """Raise `CorruptRecordError` unless `prefix` (the first bytes of a payload, at least
+    64 of them when the payload has that many) starts a NamedMpk document: lets a reader
+    refuse another file before it reads or allocates the rest."""
+    p = _Parser(prefix, source, Limits())
+    try:
+        b = p.mv[p.take(1, "")] if p.end else -1
+        if not (0x80 <= b <= 0x8F or b in (0xDE, 0xDF)):
+            raise p.fail("not a trainrec NamedMpk document (wrong magic)", "")
+        if b > 0x8F:
+            p.uint(2 if b == 0xDE else 4, "")
+        ok = p.value("", 1) == "format" and p.value("", 1) == FORMAT_NAME
+    except CorruptRecordError:
+        ok = False
+    if not ok:
+        head = bytes(memoryview(prefix)[:HEAD_BYTES])
+        raise CorruptRecordError("not a trainrec NamedMpk document (wrong magic)"
+                                 + reader_of(head, not_="namedmpk"), source=source)
 
 
 def _check_version(v: object, p: _Parser) -> None:

@@ -19,7 +19,14 @@ import numpy as np
 
 from .envelope import path_arg
 from .errors import CorruptRecordError, FileMissingError, RecorderError, RecordMismatchError
-from .format import ALIGNMENT, Header, document_size_bound, read_document, write_document
+from .format import (
+    ALIGNMENT,
+    Header,
+    check_magic,
+    document_size_bound,
+    read_document,
+    write_document,
+)
 from .items import Item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
@@ -138,10 +145,11 @@ class NamedMpkFileRecorder(RecorderBase):
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     raise CorruptRecordError("empty file", source=source)
+                check_magic(os.pread(f.fileno(), _MAGIC_BYTES, 0), source)
                 if mmap:
                     buf: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
                     return read_document(buf, source, lazy=not verify)
-                buf = _aligned_buffer(size)
+                buf = _aligned_buffer(size, source)
                 if size < _BACKGROUND_READ_BYTES:
                     _read_exactly(f, buf, source)
                     return read_document(buf, source)
@@ -161,8 +169,10 @@ class NamedMpkFileRecorder(RecorderBase):
 class NamedMpkGzFileRecorder(RecorderBase):
     """NamedMpk compressed with gzip (`.mpk.gz`). Args: a path; output: the `Path`.
 
-    Loading decompresses into memory (at most `max_bytes`, default 64 GiB, so a
-    decompression bomb is refused) and then reads as a plain NamedMpk document.
+    Loading decompresses into memory and then reads as a plain NamedMpk document. A stream
+    whose first bytes are not a NamedMpk document is refused at once; one that grows past
+    `max_bytes` (by default 256 MiB plus 64 times the compressed size) is refused when it
+    does, so a decompression bomb costs at most that.
     """
 
     def __init__(
@@ -170,7 +180,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
         settings: PrecisionSettings | None = None,
         *,
         compresslevel: int = 6,
-        max_bytes: int = 64 << 30,
+        max_bytes: int | None = None,
     ) -> None:
         super().__init__(settings)
         self._level = compresslevel
@@ -202,7 +212,10 @@ class NamedMpkGzFileRecorder(RecorderBase):
                         "not a gzip file (wrong magic)"
                         + reader_of(f.read(HEAD_BYTES), not_="namedmpk.gz"), source=source)
                 f.seek(0)
-                buf = _gunzip(f, self._max, source)
+                limit = self._max
+                if limit is None:
+                    limit = _GZ_BYTES + _GZ_RATIO * os.fstat(f.fileno()).st_size
+                buf = _gunzip(f, limit, source)
         except FileNotFoundError as e:
             raise FileMissingError("no such checkpoint", source=source) from e
         except OSError as e:
@@ -263,9 +276,10 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
     if kind == "namedmpk.gz":
         return NamedMpkGzFileRecorder().read(p)
     if kind == "torch":
-        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p)
+        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p, mmap=mmap)
     if kind == "flax":
-        return _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p).read(p)
+        flax = _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p)
+        return flax.read(p, mmap=mmap)
     return NamedMpkFileRecorder().read(p, mmap=mmap)
 
 
@@ -292,8 +306,21 @@ def _adapter_recorder(module: str, name: str, path: Path) -> RecorderBase:
         raise RecorderError(f"reading this file needs {module} ({e})", source=str(path)) from e
 
 
-def _aligned_buffer(size: int) -> np.ndarray[Any, Any]:
-    raw = np.empty(size + ALIGNMENT, np.uint8)
+_GZ_BYTES = 256 << 20
+_GZ_RATIO = 64
+"""`NamedMpkGzFileRecorder`'s default cap: this many bytes plus this many times the
+compressed size (checkpoints of trained weights compress by less than 2x)."""
+
+_MAGIC_BYTES = 64
+"""Enough of a file to tell a NamedMpk document from anything else before reading it."""
+
+
+def _aligned_buffer(size: int, source: str) -> np.ndarray[Any, Any]:
+    try:
+        raw = np.empty(size + ALIGNMENT, np.uint8)
+    except MemoryError:
+        raise RecorderError(f"a file of {size} bytes does not fit in memory (load it with "
+                            "mmap=True)", source=source) from None
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start : start + size]
 
@@ -356,30 +383,31 @@ def _read_exactly(f: Any, buf: np.ndarray[Any, Any], source: str) -> None:
         got += n
 
 
-def _gunzip(f: Any, limit: int, source: str) -> np.ndarray[Any, Any]:
+def _gunzip(f: Any, limit: int, source: str) -> bytearray:
+    """The decompressed content of gzip file `f`, in one buffer, refused as soon as its
+    first bytes are not a NamedMpk document or it grows past `limit` bytes."""
     d = zlib.decompressobj(wbits=31)
-    parts: list[bytes] = []
-    total = 0
+    out = bytearray()
+    checked = False
     try:
         while not d.eof:
             chunk = d.unconsumed_tail or f.read(1 << 16)  # small reads: no 1 MiB buffer for a tiny file
             if not chunk:
                 raise CorruptRecordError("truncated gzip stream", source=source)
-            out = d.decompress(chunk, min(1 << 24, limit - total + 1))
-            total += len(out)
-            if total > limit:
+            step = (1 << 24) if checked else _MAGIC_BYTES
+            out += d.decompress(chunk, min(step, limit - len(out) + 1))
+            if len(out) > limit:
                 raise CorruptRecordError(
                     f"decompresses to more than {limit} bytes (raise max_bytes to allow it)",
                     source=source,
                 )
-            parts.append(out)
+            if not checked and len(out) >= _MAGIC_BYTES:
+                check_magic(bytes(out), source)
+                checked = True
     except zlib.error as e:
         raise CorruptRecordError(f"not a valid gzip stream: {e}", source=source) from None
+    if not checked:
+        check_magic(bytes(out), source)
     if d.unused_data or f.read(1):
         raise CorruptRecordError("trailing data after the gzip stream", source=source)
-    buf = _aligned_buffer(total)
-    at = 0
-    for part in parts:
-        buf[at : at + len(part)] = np.frombuffer(part, np.uint8)
-        at += len(part)
-    return buf
+    return out

@@ -262,7 +262,7 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
             interrupt = next((x for x in (e, rollback_error) if not isinstance(x, Exception)), None)
             if interrupt is not None:
                 interrupt.add_note(message)
-                raise interrupt
+                raise interrupt  # noqa: B904 - the interrupt itself, its context kept
             raise RecorderError(message) from e
         if not isinstance(e, Exception):
             raise  # rolled back: the interrupt goes on as it came

@@ -426,8 +426,12 @@ def test_torch_file_recorder_rejects_bad_files_with_recorder_errors(tmp_path):
         r.load_item(tmp_path / "o.pt")
     doc = torch.load(path, weights_only=True)
     doc["item"]["f32"][0, 0] += 1
-    torch.save(doc, tmp_path / "flip.pt")
-    with pytest.raises(trainrec.ChecksumError, match="f32"):
+    torch.save(doc, tmp_path / "resaved.pt")  # a plain torch.save has no file checksum
+    with pytest.raises(CorruptRecordError, match="file checksum is missing"):
+        r.load_item(tmp_path / "resaved.pt")
+    at = data.index(np.asarray(_item()["f32"].array).tobytes())
+    (tmp_path / "flip.pt").write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    with pytest.raises(trainrec.ChecksumError, match="file checksum mismatch"):
         r.load_item(tmp_path / "flip.pt")
     with pytest.raises(trainrec.FileMissingError):
         r.load_item(tmp_path / "missing.pt")

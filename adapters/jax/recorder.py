@@ -3,15 +3,20 @@
 flax writes an ndarray as msgpack ext type 1 holding `packb((shape, dtype.name,
 C-order bytes))`, and an array above 2**30 bytes as
 `{"__msgpack_chunked_array__": True, "shape": {"0": ...}, "chunks": {"0": ..., ...}}`.
-Our files are a map `{"format": "trainrec.flax", "version": [1, 1], "trainrec", "settings",
-"record", "item", "checksums": {key path: crc32}, "dtypes": {key path: saved dtype code}}`
-(`dtypes` names each tensor the settings stored in another dtype; absent in 1.0), so
-`flax.serialization.msgpack_restore` reads them; a plain flax msgpack file (no header)
-loads as an item. Loading is bounded by the file size and never imports anything.
+Our files are a map `{"format": "trainrec.flax", "version": [2, 0], "trainrec", "settings",
+"record", "item", "checksums": {key path: crc32}, "dtypes": {key path: saved dtype code},
+"crc": uint32}`, so `flax.serialization.msgpack_restore` reads them; `dtypes` names each
+tensor the settings stored in another dtype; `crc`, the file's last four bytes, is the
+CRC-32 of every byte before them (spec/ADAPTERS.md). A plain flax msgpack file (no header)
+loads as an item, unchecked. Loading is bounded by the file size (core's msgpack reader and
+its limits, tensors as views of the file's bytes) and never imports anything.
 """
 
 from __future__ import annotations
 
+import math
+import mmap as _mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +34,11 @@ from trainrec import (
     TensorData,
 )
 from trainrec._atomic import atomic_write
+from trainrec.checksum import crc32
 from trainrec.envelope import (
+    FILE_CRC_BYTES,
+    CrcWriter,
+    check_file_crc,
     crc_of,
     header_fields,
     parse_header,
@@ -38,7 +47,7 @@ from trainrec.envelope import (
     restore_dtypes,
     verify_checksums,
 )
-from trainrec.format import check_limits
+from trainrec.format import Ext, Limits, check_limits, decode_msgpack
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import store_tensor
 from trainrec.recorders import RecorderBase
@@ -47,7 +56,7 @@ from trainrec.sniff import HEAD_BYTES, kind_of, reader_of
 __all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
 
 FORMAT = "trainrec.flax"
-VERSION = (1, 1)
+VERSION = (2, 0)
 MAX_CHUNK_SIZE = 2**30
 _CHUNKED = "__msgpack_chunked_array__"
 _NAMES = {d.numpy.name: d for d in DType}  # "float32", "bfloat16", "bool", ...
@@ -127,8 +136,9 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             else:
                 f.write(packer.pack(node))
 
-        with atomic_write(path, size_hint=reserve_bytes(item, s)) as f:
-            f.write(packer.pack_map_header(len(header) + 3))
+        with atomic_write(path, size_hint=reserve_bytes(item, s)) as out:
+            f = CrcWriter(out)
+            f.write(packer.pack_map_header(len(header) + 4))  # item, checksums, dtypes, crc
             for k, v in header.items():
                 f.write(packer.pack(k))
                 f.write(packer.pack(v))
@@ -138,48 +148,80 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             f.write(packer.pack(checksums))
             f.write(packer.pack("dtypes"))
             f.write(packer.pack(dtypes))
+            f.write(packer.pack("crc") + b"\xce")  # uint32: the crc is the file's last 4 bytes
+            out.write(f.crc.to_bytes(FILE_CRC_BYTES, "big"))
         return path
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
+        """Header and item; `mmap=True` maps the file (tensors view the map) instead of
+        reading it into memory. The structure is checked before the file is read."""
         path = path_arg(args)
         source = str(path)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                _check_start(os.pread(f.fileno(), max(64, HEAD_BYTES), 0), source)
+                data: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
+                if not mmap:
+                    # the structure first, on the map: a large file that is not a record is
+                    # refused having read only what it took to tell
+                    decode_msgpack(data, source)
+                    del data
+                    try:
+                        data = np.empty(size, np.uint8)  # not zero-filled: read into at once
+                    except MemoryError:
+                        raise RecorderError(f"a file of {size} bytes does not fit in memory",
+                                            source=source) from None
+                    view, got = data.data, 0
+                    while got < size and (n := f.readinto(view[got:])):
+                        got += n
+                    if got != size or f.read(1):
+                        raise CorruptRecordError("file changed size while reading", source=source)
         except FileNotFoundError as e:
             raise FileMissingError("no such checkpoint", source=source) from e
+        except IsADirectoryError as e:
+            raise FileMissingError("checkpoint path is a directory", source=source) from e
         except OSError as e:
             raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
         return parse(data, source)
 
 
-def parse(data: bytes, source: str) -> tuple[Header, Item]:
-    """Header and item of a flax-convention msgpack payload (ours or plain flax)."""
-    n = len(data)
-    if kind_of(data[:HEAD_BYTES]) in ("namedmpk", "namedmpk.gz", "torch"):
+def _check_start(prefix: bytes, source: str) -> None:
+    """Refuse a file that cannot be a msgpack map with str keys from its first bytes."""
+    if not prefix:
+        raise CorruptRecordError("empty file", source=source)
+    if kind_of(prefix[:HEAD_BYTES]) in ("namedmpk", "namedmpk.gz", "torch"):
         raise CorruptRecordError("not a flax msgpack file (wrong magic)"
-                                 + reader_of(data[:HEAD_BYTES], not_="flax"), source=source)
+                                 + reader_of(prefix[:HEAD_BYTES], not_="flax"), source=source)
+    b = prefix[0]
+    if not (0x80 <= b <= 0x8F or b in (0xDE, 0xDF)):
+        raise CorruptRecordError("neither a trainrec record nor a flax state dict (a map)",
+                                 source=source)
+    at = 1 if b <= 0x8F else 3 if b == 0xDE else 5
+    if b != 0x80 and len(prefix) > at and not (0xA0 <= prefix[at] <= 0xBF or 0xD9 <= prefix[at] <= 0xDB):
+        raise CorruptRecordError("map keys must be strings", source=source)
 
-    def ext_hook(code: int, payload: bytes) -> Any:
-        if code == 1:
-            return _Array(payload)
-        if code == 3:
-            return _Array(payload, scalar=True)
-        raise CorruptRecordError(f"msgpack ext type {code} is not supported", source=source)
 
-    try:
-        doc = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=True,
-                              max_str_len=min(n, 16 << 20), max_bin_len=n,
-                              max_array_len=n, max_map_len=n, max_ext_len=n)
-    except RecorderError:
-        raise
-    except Exception as e:  # msgpack raises several types for malformed input
-        raise CorruptRecordError(f"not a valid msgpack document: {type(e).__name__}: {e}",
-                                 source=source) from None
+_ENVELOPE_KEYS = ("trainrec", "checksums", "crc")
+"""Keys only our header has: a map holding one is a damaged record, not a plain flax file."""
+
+
+def parse(data: Any, source: str) -> tuple[Header, Item]:
+    """Header and item of a flax-convention msgpack payload (ours or plain flax); tensors
+    view `data`."""
+    doc = decode_msgpack(data, source)
     ours = isinstance(doc, dict) and doc.get("format") == FORMAT
     if ours:
         header = parse_header(doc, FORMAT, VERSION[0], source)
+        view = memoryview(data)
+        if list(doc)[-1] != "crc" or bytes(view[-FILE_CRC_BYTES - 5 : -FILE_CRC_BYTES]) != b"\xa3crc\xce":
+            raise CorruptRecordError("the file checksum is missing", source=source, key="crc")
+        check_file_crc(crc32(view[:-FILE_CRC_BYTES]),
+                       int.from_bytes(view[-FILE_CRC_BYTES:], "big"), source)
         body, checksums = doc.get("item"), doc.get("checksums")
     elif isinstance(doc, dict):  # a plain flax file: a state dict, no header, no checksums
+        if any(k in doc for k in _ENVELOPE_KEYS) or str(doc.get("format", "")).startswith("trainrec"):
+            raise CorruptRecordError("a trainrec flax record with a damaged header", source=source)
         header = Header("flax.msgpack", (0, 0), "", NativePrecisionSettings(), "Item")
         body, checksums = doc, None
     else:
@@ -187,56 +229,55 @@ def parse(data: bytes, source: str) -> tuple[Header, Item]:
                                  source=source)
     item = _convert(body, "", source, 0)
     if ours:
-        verify_checksums(item, checksums, source)
+        # every byte is covered by the file checksum, tensors' included: the table is
+        # only matched against the tensors, not recomputed
+        verify_checksums(item, checksums, source, recompute=False)
         item = restore_dtypes(item, doc.get("dtypes"), source)
     return header, item
 
 
-class _Array:
-    """An ext payload, decoded only after the whole document parsed."""
+_PAYLOAD_LIMITS = Limits(max_depth=3, max_str_bytes=64, object_bytes=1 << 14, object_bytes_per_byte=0)
 
-    def __init__(self, payload: bytes, scalar: bool = False) -> None:
-        self.payload = payload
-        self.scalar = scalar
 
-    def decode(self, source: str, key: str) -> np.ndarray[Any, Any]:
-        def fail(msg: str) -> CorruptRecordError:
-            return CorruptRecordError(msg, source=source, key=key)
+def _decode_array(ext: Ext, source: str, key: str) -> np.ndarray[Any, Any]:
+    def fail(msg: str) -> CorruptRecordError:
+        return CorruptRecordError(msg, source=source, key=key)
 
-        n = len(self.payload)
-        try:
-            tpl = msgpack.unpackb(self.payload, raw=False, max_str_len=64,
-                                  max_bin_len=n, max_array_len=min(n, 64), max_map_len=0, max_ext_len=0)
-        except Exception as e:
-            raise fail(f"malformed array payload: {e}") from None
-        if self.scalar:
-            if not (isinstance(tpl, list) and len(tpl) == 2):
-                raise fail("malformed numpy scalar")
-            shape, name, raw = [], tpl[0], tpl[1]
-        elif isinstance(tpl, list) and len(tpl) == 3:
-            shape, name, raw = tpl
-        else:
-            raise fail("malformed array payload")
-        if name not in _NAMES:
-            raise fail(f"unsupported dtype {name!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape) \
-                or not isinstance(raw, bytes) or len(shape) > 32:
-            raise fail("malformed array shape or data")
-        dtype = _NAMES[name]
-        count = 1
-        for d in shape:
-            count *= d
-        if count * dtype.itemsize != len(raw):
-            raise fail(f"{name} array of shape {shape} needs {count * dtype.itemsize} bytes, has {len(raw)}")
-        np_dtype = ml_dtypes.bfloat16 if dtype is DType.BF16 else dtype.numpy
-        return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+    if ext.code not in (1, 3):
+        raise fail(f"msgpack ext type {ext.code} is not supported")
+    try:
+        tpl = decode_msgpack(ext.data, source, limits=_PAYLOAD_LIMITS)
+    except CorruptRecordError as e:
+        raise fail(f"malformed array payload: {e}") from None
+    if ext.code == 3:
+        if not (isinstance(tpl, list) and len(tpl) == 2):
+            raise fail("malformed numpy scalar")
+        shape, name, raw = [], tpl[0], tpl[1]
+    elif isinstance(tpl, list) and len(tpl) == 3:
+        shape, name, raw = tpl
+    else:
+        raise fail("malformed array payload")
+    if not isinstance(name, str) or name not in _NAMES:
+        raise fail(f"unsupported dtype {name!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape) \
+            or not isinstance(raw, memoryview) or len(shape) > 32:
+        raise fail("malformed array shape or data")
+    dtype = _NAMES[name]
+    count = math.prod(shape)
+    if count * dtype.itemsize != raw.nbytes:
+        raise fail(f"{name} array of shape {shape} needs {count * dtype.itemsize} bytes, has {raw.nbytes}")
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:
+        raise fail(f"shape {shape} is larger than any array can be")
+    np_dtype = ml_dtypes.bfloat16 if dtype is DType.BF16 else dtype.numpy
+    return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
 
 
 def _convert(node: Any, key: str, source: str, depth: int) -> Item:
     if depth > 64:
         raise CorruptRecordError("nesting deeper than 64", source=source, key=key)
-    if isinstance(node, _Array):
-        return TensorData.from_array(node.decode(source, key), copy=False)
+    if isinstance(node, Ext):
+        return TensorData.from_array(_decode_array(node, source, key), copy=False)
     if isinstance(node, dict):
         if node.get(_CHUNKED) is True:
             return TensorData.from_array(_unchunk(node, source, key), copy=False)
@@ -245,7 +286,9 @@ def _convert(node: Any, key: str, source: str, depth: int) -> Item:
         return {k: _convert(v, join_key(key, k), source, depth + 1) for k, v in node.items()}
     if isinstance(node, list):
         return [_convert(v, join_key(key, i), source, depth + 1) for i, v in enumerate(node)]
-    if node is None or isinstance(node, (bool, int, float, str, bytes)):
+    if isinstance(node, memoryview):
+        return node.tobytes()
+    if node is None or isinstance(node, (bool, int, float, str)):
         return node
     raise CorruptRecordError(f"{type(node).__name__} is not an item", source=source, key=key)
 
@@ -259,9 +302,9 @@ def _unchunk(node: dict[str, Any], source: str, key: str) -> np.ndarray[Any, Any
         chunks = [chunks_d[str(i)] for i in range(len(chunks_d))]
     except KeyError:
         raise CorruptRecordError("malformed chunked array", source=source, key=key) from None
-    if not all(isinstance(c, _Array) for c in chunks) or not chunks:
+    if not all(isinstance(c, Ext) for c in chunks) or not chunks:
         raise CorruptRecordError("malformed chunked array", source=source, key=key)
-    flat = np.concatenate([c.decode(source, key).reshape(-1) for c in chunks])
+    flat = np.concatenate([_decode_array(c, source, key).reshape(-1) for c in chunks])
     try:
         return flat.reshape(shape)
     except (ValueError, TypeError):
