@@ -591,14 +591,15 @@ class _Parser:
         self.count(n, 1, key)
         self.charge(_list_cost(n), key)
         out: list[object] = []
-        if depth + 1 > self.limits.max_depth:
+        inline = depth + 1 <= self.limits.max_depth
+        if not inline:
             n = min(n, 1)  # the first element fails the depth check
         mv, unpack = self.mv, struct.unpack_from
         ready = min(self.avail, self.stop)
         for i in range(n):
             # the common scalars inline: long lists of numbers are common in caller state
             pos = self.pos
-            if pos < ready:
+            if inline and pos < ready:
                 b = mv[pos]
                 if b <= 0x7F:
                     self.pos = pos + 1

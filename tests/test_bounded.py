@@ -182,7 +182,7 @@ def test_the_writer_charges_what_the_reader_charges(settings):
     for item in items:
         out = io.BytesIO()
         w = fmt._Writer(out, settings)
-        fmt._write(w, item, settings, "Item")
+        fmt._write(w, item, settings, "Item", fmt.Limits())
         data = out.getvalue()
         p = fmt._Parser(data, "<bytes>", fmt.Limits(), eager=True)
         fmt._read_header(p)

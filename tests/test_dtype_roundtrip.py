@@ -2,6 +2,8 @@
 precision setting; settings choose only the storage dtype of floats and signed ints."""
 
 import importlib
+import io
+import zlib
 from typing import Any
 
 import numpy as np
@@ -236,12 +238,19 @@ def test_an_envelope_dtype_table_that_does_not_fit_is_corrupt(kind, tmp_path):
 
             doc = torch.load(path, weights_only=True)
             assert doc["dtypes"] == {"w": "f64"}
-            torch.save({**doc, "dtypes": table}, tmp_path / "bad")
+            buf = io.BytesIO()
+            torch.save({**doc, "dtypes": table}, buf)
+            zipped = buf.getvalue()  # sealed with a file checksum: the table itself is refused
+            body = zipped[:-2] + (19).to_bytes(2, "little") + b"trainrec.crc32:"
+            (tmp_path / "bad").write_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
         else:
             import msgpack
 
             doc = msgpack.unpackb(path.read_bytes())
             assert doc["dtypes"] == {"w": "f64"}
-            (tmp_path / "bad").write_bytes(msgpack.packb({**doc, "dtypes": table}))
+            doc = {**doc, "dtypes": table}
+            doc["crc"] = doc.pop("crc") and 0  # last, as a positive fixint to widen to uint32
+            body = msgpack.packb(doc)[:-1] + b"\xce"
+            (tmp_path / "bad").write_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
         with pytest.raises(trainrec.CorruptRecordError, match=match):
             recorder.load_item(tmp_path / "bad")

@@ -108,8 +108,8 @@ class FlaxMsgpackFileRecorder(RecorderBase):
     ) -> Path:
         check_item(item)
         path = path_arg(args)
-        # the reader's bounds, at its depths: the item at 0, a tensor one leaf
-        check_limits(item, depth=0, tensor_depth=0, source=str(path))
+        # the reader's bounds, at its depths: the item under the envelope map, a tensor an ext leaf
+        check_limits(item, depth=2, tensor_depth=0, source=str(path))
         checksums: dict[str, int] = {}
         dtypes: dict[str, str] = {}
         packer = msgpack.Packer(use_bin_type=True, autoreset=True)
