@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
-from ._atomic import TEMP_SUFFIX, _fsync_dir, _remove_if_orphaned, atomic_write
+from ._atomic import _TOKEN_HEX, TEMP_SUFFIX, _fsync_dir, _remove_if_orphaned, atomic_write
 from .errors import FileMissingError, RecorderError
 from .precision import NativePrecisionSettings
 from .protocols import Recorder
@@ -42,6 +42,8 @@ __all__ = ["CheckpointManager", "KeepBest", "Preemption"]
 Metrics = Mapping[str, float]
 _METRICS_SUFFIX = ".metrics.json"
 _STEP = re.compile(r"step-(\d{8,})")
+_TEMP = re.compile(rf"\.(step-.+)\.[0-9a-f]{{{_TOKEN_HEX}}}" + re.escape(TEMP_SUFFIX))
+"""A temp file of `_atomic.atomic_write` for a target named `step-...`."""
 
 
 @dataclass(frozen=True)
@@ -266,8 +268,8 @@ class CheckpointManager:
                 if s is not None and s < newest and s not in complete:
                     with contextlib.suppress(OSError):
                         os.unlink(self.directory / name)
-            elif name.startswith(".step-") and name.endswith(TEMP_SUFFIX):
-                target = name[1:].rsplit(".", 2)[0]
+            elif (m := _TEMP.fullmatch(name)) is not None:
+                target = m.group(1)
                 ours = self._name.fullmatch(target) or (
                     target.endswith(_METRICS_SUFFIX)
                     and self._step_of(target[: -len(_METRICS_SUFFIX)]) is not None)
@@ -372,19 +374,19 @@ class CheckpointManager:
         return int(m.group(1))
 
     def _complete_steps(self) -> list[int]:
+        steps = []
         try:
-            names = os.listdir(self.directory)
+            with os.scandir(self.directory) as entries:
+                for entry in entries:
+                    if self._name.fullmatch(entry.name) and entry.is_file():
+                        s = self._step_of(entry.name[: -len(self._suffix)])
+                        if s is not None:
+                            steps.append(s)
         except FileNotFoundError:
             return []
         except OSError as e:
             raise RecorderError(f"cannot list the checkpoint directory: {e}",
                                 source=str(self.directory)) from e
-        steps = []
-        for name in names:
-            if self._name.fullmatch(name):
-                s = self._step_of(name[: -len(self._suffix)])
-                if s is not None:
-                    steps.append(s)
         return sorted(steps)
 
     def _missing(self, step: int) -> FileMissingError:
