@@ -432,7 +432,7 @@ _CRASHER = textwrap.dedent(
             return real(*a, **kw)
         return call
 
-    model, opt, sched = MLP([256, 512, 256], seed=0), AdamW(), StepLr(0.1, 2)
+    model, opt, sched = MLP([512, 1024, 512], seed=0), AdamW(), StepLr(0.1, 2)
     mgr = CheckpointManager(directory, keep_last=1, keep_every=4, best=("loss", "min", 1))
     if kill_at >= 0:  # kill before the kill_at-th rename, unlink or fsync of one save
         for name in ("replace", "unlink", "fsync"):
