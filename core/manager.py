@@ -246,7 +246,7 @@ class CheckpointManager:
         if self.best is not None:
             metric, ranked = self.best.metric, []
             for s in steps:
-                value = self.metrics(s).get(metric)
+                value = self._metrics_of(s).get(metric)
                 if value is None:
                     keep.add(s)  # cannot be ranked: never deleted by this rule
                 else:
@@ -273,7 +273,7 @@ class CheckpointManager:
                 ours = self._name.fullmatch(target) or (
                     target.endswith(_METRICS_SUFFIX)
                     and self._step_of(target[: -len(_METRICS_SUFFIX)]) is not None)
-                if ours:
+                if ours and sys.platform != "win32":  # no flock there: nothing tells a live writer
                     _remove_if_orphaned(str(self.directory / name))
 
     # -- reading ---------------------------------------------------------------------------
@@ -293,8 +293,12 @@ class CheckpointManager:
         """The metrics saved with `step` (`{}` for none). Raises `FileMissingError` for a
         step that is not complete."""
         step = _step_arg(step)
+        self._raise_pending()
         if not self._path(step).is_file():
             raise self._missing(step)
+        return self._metrics_of(step)
+
+    def _metrics_of(self, step: int) -> dict[str, float]:
         try:
             doc = json.loads(self._metrics_path(step).read_bytes())
             values = doc["metrics"]
@@ -306,7 +310,7 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, TypeError) as e:
             warnings.warn(f"trainrec: unreadable metrics of step {step} "
                           f"({self._metrics_path(step)}): {e}; the step is treated as having none",
-                          stacklevel=2)
+                          stacklevel=3)
             return {}
 
     def load(

@@ -319,6 +319,18 @@ def test_steps_without_the_best_metric_are_never_deleted_by_it(tmp_path):
     assert mgr.steps() == [1, 2, 6]
 
 
+def test_a_step_with_unreadable_metrics_is_kept_and_the_user_warned(tmp_path):
+    loss = {1: 0.5, 2: 0.4}
+    _run(tmp_path, loss, loss, keep_last=1, best=("loss", "min", 1))
+    (tmp_path / "step-00000002.metrics.json").write_text('{"metrics": ')  # damaged by hand
+    mgr = CheckpointManager(tmp_path, keep_last=1, best=("loss", "min", 1))
+    with pytest.warns(UserWarning, match="unreadable metrics of step 2"):
+        assert mgr.metrics(2) == {}
+    with pytest.warns(UserWarning, match="unreadable metrics of step 2"):
+        mgr.save(3, _record(3, 2), metrics={"loss": 0.9}, block=True)
+    assert mgr.steps() == [2, 3]  # step 2 cannot be ranked: not deleted by best=
+
+
 def test_a_checkpoint_is_deleted_only_after_a_newer_one_is_durable(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, NamedMpkFileRecorder(NATIVE, durable=False), keep_last=1)
     mgr.save(1, _record(1), block=True)
