@@ -22,6 +22,7 @@ from .errors import (
 from .format import FORMAT_NAME, FORMAT_VERSION, Header
 from .gradients import GradientsParams, GradientsParamsRecord
 from .items import Item
+from .manager import CheckpointManager, KeepBest, Preemption
 from .precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -62,6 +63,7 @@ __all__ = [
     "AutodiffBackend",
     "AutodiffModule",
     "Backend",
+    "CheckpointManager",
     "ChecksumError",
     "CompactRecorder",
     "CorruptRecordError",
@@ -79,6 +81,7 @@ __all__ = [
     "HalfPrecisionSettings",
     "Header",
     "Item",
+    "KeepBest",
     "LossyPrecisionError",
     "LrScheduler",
     "Module",
@@ -89,6 +92,7 @@ __all__ = [
     "Optimizer",
     "ParamId",
     "Precision",
+    "Preemption",
     "PrecisionSettings",
     "Record",
     "Recorder",

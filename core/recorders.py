@@ -121,6 +121,8 @@ class NamedMpkFileRecorder(RecorderBase):
     rename stays atomic; a power loss may then lose the newest checkpoint).
     """
 
+    suffix = ".mpk"  # the file name ending `CheckpointManager` gives its checkpoints
+
     def __init__(self, settings: PrecisionSettings | None = None, *, durable: bool = True) -> None:
         super().__init__(settings)
         self._durable = durable
@@ -174,6 +176,8 @@ class NamedMpkGzFileRecorder(RecorderBase):
     `max_bytes` (by default 256 MiB plus 64 times the compressed size) is refused when it
     does, so a decompression bomb costs at most that.
     """
+
+    suffix = ".mpk.gz"
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ def _named(text: str) -> list[tuple[str | None, str]]:
     module, or a bare `test_z` (module None)."""
     pairs: list[tuple[str | None, str]] = []
     module: str | None = None
-    for m in re.finditer(r"(test_\w+\.py)?(::)?(test_\w+)(?!\.py)\b", text):
+    for m in re.finditer(r"(?<!\w)(test_\w+\.py)?(::)?(test_\w+)(?!\.py)\b", text):
         if m.group(1):
             module = m.group(1)
             pairs.append((module, m.group(3)))
@@ -59,3 +59,4 @@ def test_the_checker_catches_a_missing_name():
     assert ("test_format.py", "test_nope") in _named("`test_format.py::test_nope`, ok")
     assert (None, "test_other") in _named("see `test_other`")
     assert "test_nope" not in _defined()["test_format.py"]
+    assert _named("`mgr.latest_step()`") == []  # a word that merely contains test_

@@ -103,6 +103,8 @@ class FlaxMsgpackFileRecorder(RecorderBase):
     """Records in a `.msgpack` file readable by `flax.serialization.msgpack_restore`
     (args: a path; output: the `Path`)."""
 
+    suffix = ".msgpack"
+
     def save_item(
         self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
     ) -> Path:

@@ -104,6 +104,8 @@ class TorchFileRecorder(RecorderBase):
     """Records in a `.pt` file (args: a path; output: the `Path`). `load(..., mmap=True)`
     passes `mmap=True` to `torch.load`."""
 
+    suffix = ".pt"
+
     def save_item(
         self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
     ) -> Path:
