@@ -22,6 +22,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+from same_items import same
 
 import trainrec
 from trainrec import (
@@ -42,21 +43,6 @@ CPU_S = 1.0
 """Every refusal within a second of CPU time (CPU, not wall: the CI machine is shared)."""
 SLACK_MIB = 48
 """Fixed overhead a load may use beyond the file and the object budget (allocator, buffers)."""
-
-
-def _same(a, b) -> bool:
-    """Equal items: same types, same order, tensors bitwise, floats by their bits."""
-    if isinstance(a, TensorData) or isinstance(b, TensorData):
-        return isinstance(a, TensorData) and isinstance(b, TensorData) and a.bitwise_equal(b)
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float):
-        return np.float64(a).tobytes() == np.float64(b).tobytes()
-    return a == b
 
 
 def _small_item():
@@ -516,7 +502,7 @@ def test_fuzzed_files_never_load_changed_and_fail_only_with_recorder_errors(name
             continue
         if time.process_time() - t0 > CPU_S:
             slow.append(n)
-        if got is not None and not _same(got, original):
+        if got is not None and not same(got, original):
             changed.append(n)
     assert (changed, other, slow) == ([], [], [])
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from same_items import same
 
 import trainrec
 from trainrec import (
@@ -54,21 +55,6 @@ def _check(mgr: CheckpointManager, step: int) -> None:
     assert rec.state.step == step
     for name, t in rec.model.item.items():
         assert np.all(t.array == step), name
-
-
-def _same(a, b) -> bool:
-    """Equal items: same types, same order, tensors bitwise and of the same dtype."""
-    if isinstance(a, TensorData) or isinstance(b, TensorData):
-        return isinstance(a, TensorData) and isinstance(b, TensorData) and a.bitwise_equal(b)
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float):
-        return np.float64(a).tobytes() == np.float64(b).tobytes()
-    return a == b
 
 
 class _Gated(NamedMpkFileRecorder):
@@ -160,7 +146,7 @@ def test_every_recorder_loads_back_what_was_saved_dtype_included(make, tmp_path)
         "step-00000003.metrics.json", f"step-00000003{suffix}"]
     for s in (2, 3):
         loaded = mgr.load(s)
-        assert _same(loaded.into_item(NATIVE), saved[s].into_item(NATIVE)), s
+        assert same(loaded.into_item(NATIVE), saved[s].into_item(NATIVE)), s
         assert mgr.metrics(s) == {"loss": 1.0 / s}
     rebuilt = CheckpointManager(tmp_path, make()).load(state_type=Mixed)  # a new process's view
     assert rebuilt.state.step == 3
