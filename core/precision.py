@@ -145,8 +145,9 @@ def store_tensor(
 
     Every element is checked by value while it is cast (one pass over `t`): raises
     `LossyPrecisionError` naming `key`, the first element that would change and the
-    recorder (`recorder` with `NativePrecisionSettings()`) that keeps it, unless
-    `allow_lossy=True`.
+    recorder (`recorder` with `NativePrecisionSettings()`) that keeps it. `allow_lossy=True`
+    accepts rounded floats only: an integer tensor (a counter, a step) that would change
+    raises all the same, since a wrapped integer is never what a caller meant.
     """
     target = settings.target(t.dtype)
     if target is t.dtype:
@@ -157,7 +158,7 @@ def store_tensor(
         for at in range(0, src.size, _CHUNK):
             piece = src[at : at + _CHUNK]
             out[at : at + _CHUNK] = piece.astype(target.numpy)
-            if allow_lossy:
+            if allow_lossy and t.dtype.is_float:
                 continue
             bad = np.flatnonzero(_changed(piece, out[at : at + _CHUNK], t.dtype, target))
             if bad.size:

@@ -82,7 +82,7 @@ class Recorder(Protocol):
     header's record type before rebuilding). `settings` choose each tensor's storage
     dtype; a load gives every tensor back in the dtype it was saved with. A save raises
     `LossyPrecisionError` when the settings would change a value, unless
-    `allow_lossy=True`. Every failure raises a `RecorderError`; a
+    `allow_lossy=True` and the value is a float's (integers never change). Every failure raises a `RecorderError`; a
     failed save never damages an existing payload.
     """
 

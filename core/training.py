@@ -165,7 +165,8 @@ class TrainingRecord(Generic[U]):
         """Save all components in one recorder payload.
 
         Raises `LossyPrecisionError` naming the first tensor whose value the recorder's
-        precision settings would change, unless `allow_lossy=True` (the recorder checks
+        precision settings would change, unless `allow_lossy=True` and it is a float (a
+        changed integer is refused even then; the recorder checks
         each tensor as it converts it; a refused save leaves an existing file intact)."""
         item = self.into_item(_NATIVE)
         try:

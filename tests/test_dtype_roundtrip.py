@@ -118,6 +118,23 @@ def test_lossy_floats_keep_their_dtype_with_allow_lossy(kind, settings, tmp_path
 
 
 @pytest.mark.parametrize("kind", ["mpk", "gz", "bytes", "torch", "flax"])
+def test_allow_lossy_never_wraps_an_integer(kind, tmp_path):
+    """`allow_lossy=True` accepts rounded floats, never a changed integer: a BatchNorm
+    `num_batches_tracked` of 40000 or an optax count of 50000 stored as i16 would wrap."""
+    for value, dtype in [(40000, np.int64), (50000, np.int32), (-40000, np.int64)]:
+        with pytest.raises(LossyPrecisionError) as e:
+            _save_load(kind, HalfPrecisionSettings(), {"count": TensorData.from_array(
+                np.array(value, dtype))}, tmp_path, allow_lossy=True)
+        assert e.value.key == "count" and "allow_lossy" not in str(e.value)
+    # a float beside a fitting integer: the float is rounded, the integer kept
+    loaded = _save_load(kind, HalfPrecisionSettings(), {
+        "count": TensorData.from_array(np.array(30000, np.int64)),
+        "w": TensorData.from_array(np.array([0.1], np.float32))}, tmp_path, allow_lossy=True)
+    assert loaded["count"].dtype is DType.I64 and int(loaded["count"].array) == 30000
+    assert loaded["w"].array.tolist() == [float(np.float32(np.float16(0.1)))]
+
+
+@pytest.mark.parametrize("kind", ["mpk", "gz", "bytes", "torch", "flax"])
 def test_lossy_values_are_refused_naming_the_tensor_and_a_recorder_that_keeps_them(kind, tmp_path):
     with pytest.raises(LossyPrecisionError, match=r"NativePrecisionSettings\(\)") as e:
         _save_load(kind, HalfPrecisionSettings(), {"a": {"w": TensorData.from_array(

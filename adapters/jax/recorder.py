@@ -211,8 +211,9 @@ _ENVELOPE_KEYS = ("trainrec", "checksums", "crc")
 def parse(data: Any, source: str) -> tuple[Header, Item]:
     """Header and item of a flax-convention msgpack payload (ours or plain flax); tensors
     view `data`."""
-    doc = decode_msgpack(data, source)
-    ours = isinstance(doc, dict) and doc.get("format") == FORMAT
+    decoded = decode_msgpack(data, source)
+    doc: dict[str, Any] = decoded if isinstance(decoded, dict) else {}
+    ours = isinstance(decoded, dict) and doc.get("format") == FORMAT
     if ours:
         header = parse_header(doc, FORMAT, VERSION[0], source)
         view = memoryview(data)
@@ -221,7 +222,7 @@ def parse(data: Any, source: str) -> tuple[Header, Item]:
         check_file_crc(crc32(view[:-FILE_CRC_BYTES]),
                        int.from_bytes(view[-FILE_CRC_BYTES:], "big"), source)
         body, checksums = doc.get("item"), doc.get("checksums")
-    elif isinstance(doc, dict):  # a plain flax file: a state dict, no header, no checksums
+    elif isinstance(decoded, dict):  # a plain flax file: a state dict, no header, no checksums
         if any(k in doc for k in _ENVELOPE_KEYS) or str(doc.get("format", "")).startswith("trainrec"):
             raise CorruptRecordError("a trainrec flax record with a damaged header", source=source)
         header = Header("flax.msgpack", (0, 0), "", NativePrecisionSettings(), "Item")

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -246,7 +246,8 @@ class TorchOptimizer:
         if not isinstance(state, dict):
             raise RecordMismatchError("optimizer state must be a map", key="optimizer.state")
         params = dict(_torch_module(module).named_parameters())
-        group_of = {str(pid): g for g in groups for pid in g["params"]}  # type: ignore[union-attr, index]
+        group_of = {str(pid): g for g in groups  # each a dict with a params list: checked above
+                    for pid in cast(dict[str, list[Item]], g)["params"]}
         expected_keys = _STATE_KEYS.get(type(self.optimizer))
         for pid, entry in state.items():
             where = f"optimizer.state.{pid}"

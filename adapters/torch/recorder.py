@@ -134,7 +134,7 @@ class TorchFileRecorder(RecorderBase):
                "item": convert(item, ""), "checksums": checksums, "dtypes": dtypes}
         with atomic_write(path, size_hint=reserve_bytes(item, self.settings)) as f:
             sink = CrcWriter(f, hold=_EOCD)
-            torch.save(doc, sink)
+            torch.save(doc, sink)  # type: ignore[arg-type]  # a file-like writer, as torch.save takes
             end = sink.held
             if len(end) != _EOCD or end[:4] != b"PK\x05\x06" or end[-2:] != b"\x00\x00":
                 raise RecorderError("torch.save ended its zip file in an unexpected way",
