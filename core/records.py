@@ -132,7 +132,12 @@ def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
     if isinstance(tp, type) and tp is not np.ndarray and not issubclass(tp, np.generic):
         backend = backend_for(tp)
         if backend is not None:
-            dev = backend.device(device) if device is not None else backend.device("cpu")
+            try:
+                dev = backend.device("cpu" if device is None else device)
+            except (TypeError, ValueError) as e:  # a device that is not there: the file is fine
+                raise RecordMismatchError(
+                    f"cannot rebuild onto device {device!r} ({backend.name}): {e}", key=key
+                ) from e
             return backend.from_host(np.array(t.array), dev)
     if isinstance(tp, type) and issubclass(tp, np.generic) or (tp is Any and t.shape == ()):
         return t.array[()]
