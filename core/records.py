@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import random
+import re
 import sys
 import types
 import typing
@@ -184,7 +185,8 @@ def record(cls: _DC) -> _DC:
     if not dataclasses.is_dataclass(cls):
         cls = typing.cast(_DC, dataclass(cls))
     if "<locals>" in cls.__qualname__:  # names its annotations use may be the function's
-        setattr(cls, _LOCALS, dict(sys._getframe(1).f_locals))
+        used = set(re.findall(r"\w+", " ".join(map(str, cls.__dict__.get("__annotations__", {}).values()))))
+        setattr(cls, _LOCALS, {k: v for k, v in sys._getframe(1).f_locals.items() if k in used})
 
     def into_item(self: Any, settings: PrecisionSettings) -> Item:
         hints = _hints(type(self))

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import typing
 
+import numpy as np
 import pytest
 
 import trainrec
@@ -275,6 +276,8 @@ def test_a_torch_rng_union_state_is_refused_with_the_fix_named():
 
 
 def test_records_declared_in_a_function_resolve_the_functions_names():
+    unrelated = np.zeros(4)  # a local the annotations do not name: not kept alive by Local
+
     @trainrec.record
     class LocalInner:
         a: int
@@ -284,6 +287,7 @@ def test_records_declared_in_a_function_resolve_the_functions_names():
         inner: LocalInner
         pos: Pos
 
+    assert "unrelated" not in vars(Local).get("__trainrec_locals__", {}) and unrelated.size == 4
     back = roundtrip(Local(LocalInner(1), Pos(1, 2)))
     assert type(back.inner) is LocalInner and back.inner.a == 1 and type(back.pos) is Pos
     with pytest.raises(TypeError, match=r"<locals>.Local.inner is declared .*LocalInner but holds a value of type dict"):
