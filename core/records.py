@@ -8,7 +8,10 @@ Python's and numpy's random states.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import random
+import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -33,9 +36,17 @@ __all__ = [
     "expect_kind",
     "check_tensor_map",
     "kind_mismatches",
+    "RecordDeclarationError",
 ]
 
 T = TypeVar("T")
+
+
+class RecordDeclarationError(TypeError):
+    """A `@record` class whose fields cannot load back as declared, whatever they hold:
+    annotations that cannot be resolved, or a union of several types that the item
+    cannot tell apart. Raised at save and at load (a `TypeError`: the class is at fault,
+    not the file)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,8 @@ class StateRecord:
 def to_item(value: Any, settings: PrecisionSettings, key: str = "") -> Item:
     """A caller value as an item: scalars, str, bytes, None, lists/tuples/dicts of them,
     numpy arrays and scalars, framework tensors and nested records."""
+    if isinstance(value, enum.Enum):  # rebuilt from its value by a field declared its enum
+        return to_item(value.value, settings, key)
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return check_item(value, key)
     if isinstance(value, TensorData):
@@ -101,9 +114,22 @@ def from_item_as(tp: Any, item: Item, device: Any, key: str = "") -> Any:
         if item is None and type(None) in args:
             return None
         non_none = [a for a in args if a is not type(None)]
+        if len(non_none) > 1 and not all(_plain(a) for a in non_none):
+            raise RecordDeclarationError(_union_message(tp, key))
         return from_item_as(non_none[0] if len(non_none) == 1 else Any, item, device, key)
     if isinstance(tp, type) and hasattr(tp, "from_item") and not isinstance(item, TensorData):
         return tp.from_item(item, device)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(item)
+        except ValueError:
+            raise CorruptRecordError(f"{item!r:.40} is not a {tp.__qualname__}", key=key) from None
+    if _is_namedtuple(tp):
+        hints = _tuple_hints(tp)
+        if not isinstance(item, list) or len(item) != len(tp._fields):
+            raise CorruptRecordError(f"a {tp.__qualname__} is a list of {len(tp._fields)}", key=key)
+        return tp(*(from_item_as(hints.get(f, Any), v, device, join_key(key, f))
+                    for f, v in zip(tp._fields, item)))
     if isinstance(item, TensorData):
         return _tensor_as(tp, item, device, key)
     if isinstance(item, list):
@@ -132,7 +158,12 @@ def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
     if isinstance(tp, type) and tp is not np.ndarray and not issubclass(tp, np.generic):
         backend = backend_for(tp)
         if backend is not None:
-            dev = backend.device(device) if device is not None else backend.device("cpu")
+            try:
+                dev = backend.device("cpu" if device is None else device)
+            except (TypeError, ValueError) as e:  # a device that is not there: the file is fine
+                raise RecordMismatchError(
+                    f"cannot rebuild onto device {device!r} ({backend.name}): {e}", key=key
+                ) from e
             return backend.from_host(np.array(t.array), dev)
     if isinstance(tp, type) and issubclass(tp, np.generic) or (tp is Any and t.shape == ()):
         return t.array[()]
@@ -153,14 +184,16 @@ def record(cls: _DC) -> _DC:
     """
     if not dataclasses.is_dataclass(cls):
         cls = typing.cast(_DC, dataclass(cls))
+    if "<locals>" in cls.__qualname__:  # names its annotations use may be the function's
+        used = set(re.findall(r"\w+", " ".join(map(str, cls.__dict__.get("__annotations__", {}).values()))))
+        setattr(cls, _LOCALS, {k: v for k, v in sys._getframe(1).f_locals.items() if k in used})
 
     def into_item(self: Any, settings: PrecisionSettings) -> Item:
         hints = _hints(type(self))
         out: dict[str, Item] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in hints:
-                _check_declared(hints[f.name], value, f"{type(self).__qualname__}.{f.name}")
+            _check_declared(hints[f.name], value, f"{type(self).__qualname__}.{f.name}")
             out[f.name] = to_item(value, settings, f.name)
         return out
 
@@ -168,25 +201,97 @@ def record(cls: _DC) -> _DC:
         if not isinstance(item, dict):
             raise CorruptRecordError(f"{klass.__name__} record must be a map")
         hints = _hints(klass)
-        names = [f.name for f in dataclasses.fields(klass) if f.init]
+        fields = dataclasses.fields(klass)
+        names = [f.name for f in fields]
         missing = [n for n in names if n not in item]
         extra = [k for k in item if k not in names]
         if missing or extra:
             raise RecordMismatchError(
                 f"{klass.__name__} record fields differ: missing {missing}, unexpected {extra}"
             )
-        return klass(**{n: from_item_as(hints.get(n, Any), item[n], device, n) for n in names})
+        values = {n: from_item_as(hints[n], item[n], device, n) for n in names}
+        out = klass(**{f.name: values[f.name] for f in fields if f.init})
+        for f in fields:  # init=False fields: their saved values, not their defaults again
+            if not f.init:
+                object.__setattr__(out, f.name, values[f.name])  # frozen ones too
+        return out
 
     cls.into_item = into_item  # type: ignore[attr-defined]
     cls.from_item = classmethod(from_item)  # type: ignore[attr-defined]
     return cls
 
 
+_LOCALS = "__trainrec_locals__"
+
+
 def _hints(cls: type) -> dict[str, Any]:
+    """The resolved annotation of every field of the dataclass `cls` (a class declared in
+    a function also sees the function's locals as they were when it was decorated);
+    `RecordDeclarationError` when one cannot be resolved or cannot load back as declared."""
+    localns: dict[str, Any] = {}
+    for base in reversed(cls.__mro__):
+        localns.update(base.__dict__.get(_LOCALS, {}))
     try:
-        return typing.get_type_hints(cls)
-    except Exception:  # unresolvable forward references: fall back to plain items
-        return {}
+        hints = typing.get_type_hints(cls, localns=localns or None)
+    except Exception as e:  # noqa: BLE001 - NameError, AttributeError, TypeError, SyntaxError
+        raise RecordDeclarationError(
+            f"{cls.__qualname__}'s field annotations cannot be resolved ({type(e).__name__}: {e}), "
+            "so what its fields load back as is unknown: define the class, and the types its "
+            "fields name, at module level"
+        ) from None
+    out = {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)}
+    for name, tp in out.items():
+        bad = _bad_union(tp)
+        if bad is not None:
+            raise RecordDeclarationError(_union_message(bad, f"{cls.__qualname__}.{name}"))
+    return out
+
+
+def _plain(tp: Any) -> bool:
+    """Whether `from_item_as` rebuilds `tp` as stored, so that it may share a union."""
+    if tp in (Any, int, float, str, bytes, bool, type(None), list, dict):
+        return True
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return True
+    if origin is list:
+        return all(_plain(a) for a in typing.get_args(tp))
+    if origin is dict:
+        return all(_plain(a) for a in typing.get_args(tp)[1:])
+    return False
+
+
+def _bad_union(tp: Any) -> Any:
+    """The first union in `tp` of several types not all `_plain` (None when there is none)."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        non_none = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(non_none) > 1 and not all(_plain(a) for a in non_none):
+            return tp
+    if typing.get_origin(tp) is typing.Literal:
+        return None
+    return next((b for b in map(_bad_union, typing.get_args(tp)) if b is not None), None)
+
+
+def _union_message(tp: Any, where: str) -> str:
+    return (
+        f"{where} is declared {_type_name(tp)}: the record stores a value, not which of these "
+        "types it was, so it would load back as a plain item; declare one type (such as "
+        "`TorchRngRecord | None`)"
+    )
+
+
+def _is_namedtuple(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields")
+
+
+def _tuple_hints(tp: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(tp)
+    except Exception as e:  # noqa: BLE001
+        raise RecordDeclarationError(
+            f"{tp.__qualname__}'s annotations cannot be resolved ({type(e).__name__}: {e}): "
+            "define it at module level"
+        ) from None
 
 
 def _check_declared(tp: Any, value: Any, where: str) -> None:
@@ -216,10 +321,19 @@ def _mismatch(tp: Any, value: Any) -> str | None:
         if value is None:
             return None if type(None) in args else _held(None)
         non_none = [a for a in args if a is not type(None)]
-        return _mismatch(non_none[0], value) if len(non_none) == 1 else None
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
+        if len(non_none) == 1:
+            return _mismatch(non_none[0], value)
+        whys = [_mismatch(a, value) for a in non_none]  # plain types only (`_hints`)
+        return None if None in whys else _held(value)
+    if _is_namedtuple(tp):
+        if type(value) is not tp:
             return _held(value)
+        hints = _tuple_hints(tp)
+        return next((w for w in (_mismatch(hints.get(f, Any), getattr(value, f))
+                                 for f in tp._fields) if w), None)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)) or _is_namedtuple(type(value)):
+            return _held(value)  # a NamedTuple would come back as a plain list or tuple
         args = typing.get_args(tp)
         if origin is list or (len(args) == 2 and args[1] is Ellipsis):
             inner = args[0] if args else Any
@@ -235,12 +349,12 @@ def _mismatch(tp: Any, value: Any) -> str | None:
         return next((w for w in (_mismatch(inner, v) for v in value.values()) if w), None)
     if origin is not None or not isinstance(tp, type) or tp is object:
         return None  # Any, TypeVars, Literal, abstract collections: rebuilt as stored
-    if hasattr(tp, "from_item"):
-        same = isinstance(value, tp) and all(  # a subclass that records itself as `tp` does
-            _func(type(value), m) is _func(tp, m) for m in ("into_item", "from_item"))
-        return None if same else _held(value)
+    if hasattr(tp, "from_item") or issubclass(tp, enum.Enum):
+        return None if type(value) is tp else _held(value)  # a subclass would load as `tp`
     if value is None:
         return None if tp is type(None) else _held(None)
+    if isinstance(value, enum.Enum):
+        return _held(value)  # it would come back as its value
     # what `to_item` records as a tensor (a numpy float64 is a float, np.str_ a str)
     tensor = not isinstance(value, (bool, int, float, str, bytes)) and _is_tensor(value)
     if tp is np.ndarray or issubclass(tp, np.generic) or _is_tensor_type(tp):
@@ -250,11 +364,6 @@ def _mismatch(tp: Any, value: Any) -> str | None:
     if tp is float:
         return None if isinstance(value, (int, float)) and not isinstance(value, bool) else _held(value)
     return None if isinstance(value, tp) else _held(value)
-
-
-def _func(cls: type, name: str) -> Any:
-    attr = getattr(cls, name, None)
-    return getattr(attr, "__func__", attr)
 
 
 def _held(value: Any) -> str:

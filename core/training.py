@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast, overload
 
 from .accumulator import GradientsAccumulator
 from .errors import CorruptRecordError, LossyPrecisionError, RecorderError, RecordMismatchError
@@ -18,7 +18,7 @@ from .gradients import GradientsParamsRecord
 from .items import Item, check_item
 from .precision import NativePrecisionSettings, convert_item
 from .protocols import AutodiffModule, PrecisionSettings, Recorder
-from .records import StateRecord
+from .records import RecordDeclarationError, StateRecord
 from .registry import adapt_module, adapt_optimizer, adapt_scheduler
 
 __all__ = ["TrainingRecord", "RestoredTraining"]
@@ -112,18 +112,18 @@ class TrainingRecord(Generic[U]):
     # -- state -----------------------------------------------------------------------------
 
     @property
-    def state(self) -> Any:
+    def state(self) -> U:
         """The caller's state, rebuilt as its record type (the raw item tree when the
-        record was loaded without `state_type`)."""
-        return self._state_on(None)
+        record was loaded without `state_type`: a `TrainingRecord[Any]`)."""
+        return cast(U, self._state_on(None))
 
     def _state_on(self, device: Any) -> Any:
         if self._state_type is None:
             return self._state_item
         try:
             return self._state_type.from_item(self._state_item, device)  # type: ignore[attr-defined]
-        except RecorderError:
-            raise
+        except (RecorderError, RecordDeclarationError):
+            raise  # the file, or the state's class, is at fault: said as such
         except (TypeError, ValueError, KeyError) as e:
             raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state") from e
 
@@ -174,11 +174,25 @@ class TrainingRecord(Generic[U]):
         except LossyPrecisionError as e:
             raise LossyPrecisionError(e.reason, source=e.source, key=_component_path(e.key)) from None
 
+    @overload
+    @classmethod
+    def load(
+        cls, recorder: Recorder, args: Any, device: Any = None, *, state_type: type[U],
+        **load_kw: Any,
+    ) -> TrainingRecord[U]: ...
+
+    @overload
+    @classmethod
+    def load(
+        cls, recorder: Recorder, args: Any, device: Any = None, *, state_type: None = None,
+        **load_kw: Any,
+    ) -> TrainingRecord[Any]: ...
+
     @classmethod
     def load(
         cls, recorder: Recorder, args: Any, device: Any = None, *, state_type: type[U] | None = None,
         **load_kw: Any,
-    ) -> TrainingRecord[U]:
+    ) -> TrainingRecord[Any]:
         """Read a combined record using the selected recorder and device."""
         header, item = recorder.read(args, **load_kw)
         if header.record_type != cls.RECORD_NAME:

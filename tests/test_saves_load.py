@@ -271,7 +271,8 @@ class Base:
 
 
 class Sub(Base):
-    """Records itself with Base's methods: it loads back as a Base."""
+    """Records itself with Base's methods, but would load back as a Base: refused where a
+    Base is declared (tests/test_record_rebuilds.py)."""
 
 
 @trainrec.record
@@ -283,8 +284,10 @@ class Holder:
 
 def test_what_to_item_records_as_a_scalar_is_checked_as_one():
     r = NamedMpkBytesRecorder(NATIVE)
-    back = r.load(r.record(Holder(Sub(1), np.str_("s"), np.ones(2)), None), None, Holder)
+    back = r.load(r.record(Holder(Base(1), np.str_("s"), np.ones(2)), None), None, Holder)
     assert type(back.base) is Base and back.text == "s"
+    with pytest.raises(TypeError, match="Holder.base is declared Base but holds a value of type Sub"):
+        r.record(Holder(Sub(1), "s", np.ones(2)), None)
     with pytest.raises(TypeError, match="Holder.arr is declared ndarray but holds a value of type float64"):
         r.record(Holder(Base(1), "s", np.float64(2.0)), None)  # a float64 is saved as a float
 

@@ -56,6 +56,29 @@ def train(model: MLP, optimizer: SGD, gen: np.random.Generator) -> State:
     return restored
 '''
 
+# what users write around their state (tried by a user on main: four mypy --strict errors)
+USER_CALLS = '''
+from __future__ import annotations
+
+from pathlib import Path
+
+import trainrec
+from trainrec import DefaultRecorder, NativePrecisionSettings, TrainingRecord
+
+
+@trainrec.record
+class State:
+    micro: int
+
+
+def f(path: Path, rec: TrainingRecord[State]) -> int:
+    s = State(micro=1)
+    DefaultRecorder().record(s, path)
+    back: State = State.from_item(s.into_item(NativePrecisionSettings()))
+    loaded = TrainingRecord.load(DefaultRecorder(), path, "cpu", state_type=State)
+    return rec.state.micro + back.micro + loaded.state.micro
+'''
+
 WRONG = '''
 import trainrec
 
@@ -81,14 +104,18 @@ def _installed_layout(where: Path) -> Path:
     return where
 
 
-def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+def _mypy(tmp_path: Path, source: str, *, plugin: bool = True) -> subprocess.CompletedProcess[str]:
+    """mypy --strict on `source` as user code, with the project's mypy configuration
+    enabling `trainrec.mypy` as the README says (or without it)."""
     pytest.importorskip("mypy")
     layout = _installed_layout(tmp_path / "site")
     user = tmp_path / "user.py"
     user.write_text(textwrap.dedent(source))
+    config = tmp_path / "mypy.ini"
+    config.write_text("[mypy]\n" + ("plugins = trainrec.mypy\n" if plugin else ""))
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--follow-imports=silent",
-         "--cache-dir", str(tmp_path / "cache"), str(user)],
+         "--config-file", str(config), "--cache-dir", str(tmp_path / "cache"), str(user)],
         capture_output=True, text=True, cwd=tmp_path, env={"MYPYPATH": str(layout), "PATH": ""},
         timeout=600,
     )
@@ -97,6 +124,26 @@ def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
 def test_record_dataclass_transform_lets_user_code_pass_mypy_strict(tmp_path):
     ok = _mypy(tmp_path, README_STYLE)
     assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_user_code_calling_record_methods_passes_mypy_strict_with_the_plugin(tmp_path):
+    ok = _mypy(tmp_path, USER_CALLS)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+
+
+def test_without_the_plugin_mypy_cannot_see_the_record_methods(tmp_path):
+    bad = _mypy(tmp_path, USER_CALLS, plugin=False)  # why the README tells users to enable it
+    assert bad.returncode == 1 and '"State" has no attribute "into_item"' in bad.stdout, bad.stdout
+    assert "Returning Any" not in bad.stdout  # `rec.state` is a State either way
+
+
+def test_the_plugin_types_from_item_as_the_class_and_into_item_as_an_item(tmp_path):
+    out = _mypy(tmp_path, USER_CALLS + '''
+reveal_type(State.from_item)
+reveal_type(State(1).into_item)
+''')
+    assert 'def (item: Union[' in out.stdout or "def (item: " in out.stdout, out.stdout
+    assert "-> user.State" in out.stdout and "settings: trainrec.protocols.PrecisionSettings" in out.stdout
 
 
 def test_mypy_checks_a_records_constructor_against_its_fields(tmp_path):
