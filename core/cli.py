@@ -110,6 +110,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
+        if ":" in args.backend:
+            problem = _harness_problem(args.backend)
+            if problem:
+                print(f"trainrec demo: --backend {_printable(args.backend)}: {problem}", file=sys.stderr)
+                return 2
         try:
             return run_demo(
                 backend=args.backend, steps=args.steps, window=args.window,
@@ -181,6 +186,25 @@ def _demo_backend(value: str) -> str:
     if found is None:
         raise argparse.ArgumentTypeError(f"{value!r}: no module named {module!r}")
     return value
+
+
+_WORKLOAD_PARTS = ("state_type", "build", "micro_step", "apply_window")
+
+
+def _harness_problem(value: str) -> str:
+    """Why `module:attr` names no workload (one line), or "" when it does: the demo's
+    processes then start from a harness that loads, not into a traceback in each."""
+    from .demo import load_workload
+
+    try:
+        workload = load_workload(value)
+    except Exception as e:  # the user's module: any error while importing it or its attr
+        return _printable(f"{type(e).__name__}: {e}")
+    missing = [name for name in _WORKLOAD_PARTS if not hasattr(workload, name)]
+    if missing:
+        return (f"{type(workload).__name__} is not a conformance Harness (it has no "
+                f"{', '.join(missing)})")
+    return ""
 
 
 def _tree(item: Item) -> Any:

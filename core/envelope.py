@@ -3,9 +3,11 @@ NamedMpk.
 
 Adapters' recorders (`.pt`, flax `.msgpack`) store a record as a plain map:
 `{"format", "version", "trainrec", "settings", "record", "item", "checksums", "dtypes"}`,
-where `checksums` maps each tensor's key path to the CRC-32 of its stored bytes and
-`dtypes` (since version 1.1) maps the key path of each tensor that precision settings
-stored in another dtype to the dtype it was saved with. From envelope version 2.0 on, the
+where `checksums` lists the CRC-32 of each tensor's stored bytes and `dtypes` the dtype
+each tensor was saved with where precision settings stored it in another one (else
+None), both in tensor order: the order `iter_tensors` walks the item (maps in their
+order, lists by index). Tables by position, not by key path: `{"a.b": x, "a": {"b": y}}`
+has two tensors whose dotted paths are the same. From envelope version 2.0 on, the
 file's last four bytes are the CRC-32 (big-endian) of every byte before them (the *file
 checksum*), so nothing in the file, header, structure, scalar or container framing, can
 change unnoticed. These helpers build and check those maps and the file checksum, so every
@@ -36,6 +38,7 @@ __all__ = [
     "crc_of",
     "verify_checksums",
     "restore_dtypes",
+    "TensorTables",
     "path_arg",
     "CrcWriter",
     "file_crc",
@@ -74,7 +77,7 @@ def parse_header(doc: dict[str, Any], fmt: str, major: int, source: str) -> Head
             f"format version {version[0]}.{version[1]} is not supported; this trainrec reads "
             f"{major}.x{why}", source=source, key="version")
     settings, record, checksums = doc.get("settings"), doc.get("record"), doc.get("checksums")
-    if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, dict):
+    if not isinstance(settings, dict) or not isinstance(record, str) or not isinstance(checksums, list):
         raise CorruptRecordError("header lacks settings, record or checksums", source=source)
     try:
         precision = settings_by_name(settings["name"], settings.get("float"), settings.get("int"))
@@ -98,44 +101,61 @@ def crc_of(t: TensorData) -> int:
     return crc32(t.array.reshape(-1).view(np.uint8).data)
 
 
+class TensorTables:
+    """The `checksums` and `dtypes` tables a writer builds, one entry per tensor in the
+    order it meets them (which must be `iter_tensors` order: maps in order, lists by
+    index)."""
+
+    def __init__(self) -> None:
+        self.checksums: list[int] = []
+        self.dtypes: list[str | None] = []
+
+    def add(self, saved: TensorData, stored: TensorData) -> None:
+        """Enter the next tensor: `saved` as given, `stored` as written."""
+        self.dtypes.append(None if stored.dtype is saved.dtype else saved.dtype.value)
+        self.checksums.append(crc_of(stored))
+
+
 def verify_checksums(item: Item, checksums: Any, source: str, *, recompute: bool = True) -> None:
-    """Check that `checksums` lists exactly the item's tensors and (`recompute`) that each
-    matches; without `recompute` (the file checksum covered the tensors' bytes) only that
-    each entry is a CRC-32 value."""
-    found = dict(iter_tensors(item))
-    if not isinstance(checksums, dict) or set(found) != set(checksums):
-        raise CorruptRecordError("the checksum table does not match the tensors", source=source,
-                                 key="checksums")
+    """Check that `checksums` has one CRC-32 value for each of the item's tensors, in
+    tensor order, and (`recompute`) that each matches; without `recompute` (the file
+    checksum covered the tensors' bytes) only that each entry is a CRC-32 value."""
+    found = list(iter_tensors(item))
+    if not isinstance(checksums, list) or len(checksums) != len(found):
+        raise CorruptRecordError(
+            f"the checksum table does not match the tensors (a list of {len(found)} "
+            f"CRC-32 values, one per tensor in order)", source=source, key="checksums")
+    if not all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in checksums):
+        raise CorruptRecordError("malformed checksum table", source=source, key="checksums")
     if not recompute:
-        if not all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in checksums.values()):
-            raise CorruptRecordError("malformed checksum table", source=source, key="checksums")
         return
-    for key, t in found.items():
+    for (key, t), stored in zip(found, checksums):
         got = crc_of(t)
-        if got != checksums[key]:
-            raise ChecksumError(f"tensor checksum mismatch (stored {crc_text(checksums[key])}, "
+        if got != stored:
+            raise ChecksumError(f"tensor checksum mismatch (stored {crc_text(stored)}, "
                                 f"computed {got:#010x})", source=source, key=f"item.{key}")
 
 
 def restore_dtypes(item: Item, dtypes: Any, source: str) -> Item:
-    """`item` with every tensor the `dtypes` table lists back in the dtype it was saved
-    with (`dtypes` None: a version 1.0 file, tensors as stored). Raises
-    `CorruptRecordError` for a table that names no tensor or a dtype no setting stores
-    that way."""
-    if dtypes is None:
-        return item
-    tensors = dict(iter_tensors(item))
-    if not isinstance(dtypes, dict) or not set(dtypes) <= set(tensors):
-        raise CorruptRecordError("the dtype table does not match the tensors", source=source,
-                                 key="dtypes")
+    """`item` with every tensor whose `dtypes` entry (one per tensor, in tensor order) is
+    a dtype code back in that dtype; an entry None leaves the tensor as stored. Raises
+    `CorruptRecordError` for a table of another length or a dtype no setting stores that
+    way."""
+    count = sum(1 for _ in iter_tensors(item))
+    if not isinstance(dtypes, list) or len(dtypes) != count:
+        raise CorruptRecordError(
+            f"the dtype table does not match the tensors (a list of {count} entries, one per "
+            "tensor in order)", source=source, key="dtypes")
+    at = iter(dtypes)
 
     def back(key: str, t: TensorData) -> TensorData:
-        if key not in dtypes:
+        code = next(at)
+        if code is None:
             return t
         try:
-            return restore_tensor(t, DType.from_code(dtypes[key]))
-        except ValueError as e:
-            raise CorruptRecordError(str(e), source=source, key=f"dtypes.{key}") from None
+            return restore_tensor(t, DType.from_code(code))
+        except (ValueError, TypeError) as e:
+            raise CorruptRecordError(str(e), source=source, key=f"dtypes (tensor {key})") from None
 
     return map_tensors(item, back)
 

@@ -276,14 +276,14 @@ def _pt_cases(d: Path) -> dict[str, Path]:
     laughs: object = ["lol"] * 10
     for _ in range(30):
         laughs = [laughs] * 10
-    out["pt-billion-laughs"] = _pt(laughs, {})
-    out["pt-stride-0"] = _pt(torch.zeros(1).expand(2**28), {"": 0})
-    out["pt-stride-0-2**62"] = _pt(torch.zeros(1).expand(2**62), {"": 0})
-    out["pt-requires-grad"] = _pt(torch.ones(3, requires_grad=True), {"": 0})
-    out["pt-shared-storage"] = _pt([torch.ones(4)] * 2, {"0": 0, "1": 0})
+    out["pt-billion-laughs"] = _pt(laughs, [])
+    out["pt-stride-0"] = _pt(torch.zeros(1).expand(2**28), [0])
+    out["pt-stride-0-2**62"] = _pt(torch.zeros(1).expand(2**62), [0])
+    out["pt-requires-grad"] = _pt(torch.ones(3, requires_grad=True), [0])
+    out["pt-shared-storage"] = _pt([torch.ones(4)] * 2, [0, 0])
     # a storage record deflated: 64 MiB of zeros in 64 KiB of file
     buf = io.BytesIO()
-    torch.save(_pt_doc(torch.zeros(16 * MIB // 4), {"": 0}), buf)
+    torch.save(_pt_doc(torch.zeros(16 * MIB // 4), [0]), buf)
     src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
     packed = io.BytesIO()
     with zipfile.ZipFile(packed, "w") as z:
@@ -304,7 +304,7 @@ def _flax_doc(raw_item: bytes) -> bytes:
     header = {"format": "trainrec.flax", "version": [2, 0], "trainrec": "0.1.0",
               "settings": {"name": "native", "float": None, "int": None}, "record": "Item"}
     body = (b"\x88" + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in header.items())
-            + msgpack.packb("item") + raw_item + msgpack.packb("checksums") + msgpack.packb({})
+            + msgpack.packb("item") + raw_item + msgpack.packb("checksums") + msgpack.packb([])
             + msgpack.packb("crc") + b"\xce")
     return body + zlib.crc32(body).to_bytes(4, "big")
 

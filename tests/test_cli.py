@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from trainrec import DefaultRecorder, NamedMpkGzFileRecorder, TensorData
 
@@ -225,3 +226,17 @@ def test_an_undecodable_file_name_prints_escaped(tmp_path):
                              env=env)
         assert out.returncode == 0 and "odd\\udcff\\x1b.mpk" in out.stdout, out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("backend", "says"), [
+    ("json:HARNESS", "AttributeError: module 'json' has no attribute 'HARNESS'"),  # module, no attribute
+    ("json:dumps", "function is not a conformance Harness"),
+    ("json:JSONDecoder", "JSONDecoder is not a conformance Harness"),
+])
+def test_demo_with_a_harness_that_does_not_load_exits_2_with_one_line(backend, says):
+    out = subprocess.run([sys.executable, "-m", "trainrec", "demo", "--backend", backend],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"trainrec demo: --backend {backend}: "), out.stderr
+    assert says in out.stderr and "Traceback" not in out.stderr and not out.stdout

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainrec import DType, StateRecord, TensorData
+from trainrec import DType, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapters.numpy.backend import NumpyBackend
 from trainrec.adapters.numpy.demo import NumpyWorkload
 from trainrec.adapters.numpy.mlp import MLP
@@ -23,6 +23,7 @@ from trainrec.adapters.numpy.optim import AdamW
 from trainrec.adapters.numpy.schedulers import LinearWarmupCosineLr
 from trainrec.conformance import AdapterConformance
 from trainrec.conformance.suite import midway
+from trainrec.records import expect_kind
 
 # checks that run a fresh process or read spec files: the same for every mutant
 _NOT_PER_ADAPTER = {"test_exact_continuation_in_a_fresh_process", "test_spec_vectors_load_bit_exactly"}
@@ -129,6 +130,34 @@ def _shared_record(self: MLP) -> StateRecord:
     return StateRecord(self.kind, {k: TensorData.from_array(v, copy=False) for k, v in self.params.items()})
 
 
+class _ShallowAdamW(AdamW):
+    """Checks kind, the {hyper, state} layout and unknown ParamIds only: not the buffers'
+    shapes or dtype kinds, not the hyperparameters' types."""
+
+    def _checked(self, record: Any, module: Any) -> Any:
+        item = expect_kind(record, self.kind, "optimizer")
+        if not isinstance(item, dict) or set(item) != {"hyper", "state"}:
+            raise RecordMismatchError("optimizer record must be {hyper, state}", key="optimizer")
+        if any(p not in module.param_shapes() for p in item["state"]):
+            raise RecordMismatchError("state for parameters the model lacks", key="optimizer.state")
+        return dict(item["hyper"]), {k: dict(v) for k, v in item["state"].items()}
+
+
+def _check_shapes_only(self: MLP, record: Any) -> None:
+    """Names and shapes, not the dtype kind."""
+    item = expect_kind(record, self.kind, "model")
+    if not isinstance(item, dict) or set(item) != set(self.params) or any(
+            getattr(v, "shape", None) != self.params[k].shape for k, v in item.items()):
+        raise RecordMismatchError("names or shapes differ", key="model")
+
+
+def _any_cpu(self: Any, spec: Any) -> str:
+    """Checks the device kind, not the index: accepts "cpu:7"."""
+    if spec is None or (isinstance(spec, str) and spec.partition(":")[0] == "cpu"):
+        return "cpu"
+    raise ValueError(f"not a cpu device: {spec!r}")
+
+
 class Mutant(NumpyWorkload):
     """The numpy reference workload with some classes replaced by broken ones."""
 
@@ -185,6 +214,15 @@ MUTANTS = {
         r"contract: model\.check_record: never mutates; checking a record changed model\."),
     "scheduler load_record steps": (
         Mutant("load-steps", scheduler=_SteppingScheduler), r"contract: restore: .*scheduler\.count"),
+    "device() checks the kind, not the index (accepts cpu:7)": (
+        Mutant("any-cpu", model=_backend(device=_any_cpu)), r"contract: backend\.device: .*'cpu:4096'"),
+    "optimizer check_record checks only kind, layout and unknown ParamIds": (
+        Mutant("shallow", optimizer=_ShallowAdamW),
+        r"contract: optimizer\.check_record: raises RecordMismatchError for a record with "
+        r"(state\.layers\.0\.weight\.exp_avg of shape \(1,\)|hyper\.beta1 a str)"),
+    "model check_record ignores the dtype kind": (
+        Mutant("dtype-kind", model=type("M", (MLP,), {"check_record": _check_shapes_only})),
+        r"contract: model\.check_record: .*layers\.0\.weight of another dtype kind"),
     "model into_record shares live memory": (
         Mutant("shared", model=type("M", (MLP,), {"into_record": _shared_record})),
         r"contract: capture: copies every component .*model\.layers\."),

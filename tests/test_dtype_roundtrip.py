@@ -249,12 +249,13 @@ def test_an_envelope_dtype_table_that_does_not_fit_is_corrupt(kind, tmp_path):
     recorder = _recorder(kind, FullPrecisionSettings())
     path = recorder.save_item({"w": TensorData.from_array(np.array([1.5], np.float64))},
                               tmp_path / "e")
-    for table, match in [({"nope": "f64"}, "does not match"), ({"w": "u64"}, "never stored")]:
+    for table, match in [({"w": "f64"}, "does not match"), (["f64", None], "does not match"),
+                         (["u64"], "never stored")]:
         if kind == "torch":
             import torch
 
             doc = torch.load(path, weights_only=True)
-            assert doc["dtypes"] == {"w": "f64"}
+            assert doc["dtypes"] == ["f64"]
             buf = io.BytesIO()
             torch.save({**doc, "dtypes": table}, buf)
             zipped = buf.getvalue()  # sealed with a file checksum: the table itself is refused
@@ -264,10 +265,61 @@ def test_an_envelope_dtype_table_that_does_not_fit_is_corrupt(kind, tmp_path):
             import msgpack
 
             doc = msgpack.unpackb(path.read_bytes())
-            assert doc["dtypes"] == {"w": "f64"}
+            assert doc["dtypes"] == ["f64"]
             doc = {**doc, "dtypes": table}
             doc["crc"] = doc.pop("crc") and 0  # last, as a positive fixint to widen to uint32
             body = msgpack.packb(doc)[:-1] + b"\xce"
             (tmp_path / "bad").write_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
         with pytest.raises(trainrec.CorruptRecordError, match=match):
             recorder.load_item(tmp_path / "bad")
+
+
+def _envelope_doc(kind: str, path) -> Any:
+    if kind == "torch":
+        import torch
+
+        return torch.load(path, weights_only=True)
+    import msgpack
+
+    return msgpack.unpackb(path.read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["torch", "flax"])
+@pytest.mark.parametrize("inner", [np.int32, np.float32, np.float64, np.uint8])
+def test_tensors_whose_dotted_paths_collide_each_keep_their_dtype_and_checksum(kind, inner, tmp_path):
+    # "a.b" and a -> b both join to the path "a.b": the envelope tables are by position
+    recorder = _recorder(kind, FullPrecisionSettings())
+    item = {"a.b": TensorData.from_array(np.array([1.0], np.float64)),
+            "a": {"b": TensorData.from_array(np.array([2], inner))}}
+    path = recorder.save_item(item, tmp_path / "e")
+    back = recorder.load_item(path)
+    assert back["a.b"].dtype is DType.F64 and back["a.b"].read().tolist() == [1.0]
+    assert back["a"]["b"].dtype is DType.from_numpy(inner) and back["a"]["b"].read().tolist() == [2]
+    doc = _envelope_doc(kind, path)
+    assert len(doc["checksums"]) == 2 and len(doc["dtypes"]) == 2  # both tensors verified
+
+
+def test_flax_refuses_at_save_the_chunked_array_key_it_could_not_load(tmp_path):
+    recorder = _recorder("flax", FullPrecisionSettings())
+    item = {"state": {"__msgpack_chunked_array__": True, "shape": {}, "chunks": {}}}
+    target = tmp_path / "e.msgpack"
+    target.write_bytes(b"old")
+    with pytest.raises(trainrec.CorruptRecordError, match="reserved") as e:
+        recorder.save_item(item, target)
+    assert e.value.key == "state" and target.read_bytes() == b"old"
+    # NamedMpk stores it
+    assert NamedMpkFileRecorder().load_item(NamedMpkFileRecorder().save_item(item, tmp_path / "n")) == item
+
+
+@pytest.mark.parametrize("kind", ["torch", "flax"])
+def test_a_key_at_the_string_limit_over_a_tensor_loads(kind, tmp_path):
+    # the tables used to repeat the key path: at the limit the path no longer loaded
+    from trainrec.format import Limits
+
+    recorder = _recorder(kind, FullPrecisionSettings())
+    key = "k" * Limits().max_str_bytes
+    path = recorder.save_item({key: TensorData.from_array(np.zeros(1, np.float32))}, tmp_path / "e")
+    back = recorder.load_item(path)
+    assert list(back) == [key] and back[key].dtype is DType.F32
+    with pytest.raises(trainrec.CorruptRecordError, match="never load"):
+        recorder.save_item({key + "k": TensorData.from_array(np.zeros(1, np.float32))}, tmp_path / "f")

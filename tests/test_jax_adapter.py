@@ -352,3 +352,33 @@ def test_large_arrays_are_streamed_as_the_bytes_msgpack_gives(tmp_path, monkeypa
         assert np.asarray(theirs[k]).tobytes() == item[k].array.tobytes()
     back = r.load_item(tmp_path / "s.msgpack")
     assert back["bf16"].dtype is DType.BF16 and back["big"].array.tobytes() == item["big"].array.tobytes()
+
+
+def test_plain_flax_files_with_numpy_scalars_load_as_0d_tensors(tmp_path):
+    """flax packs a numpy scalar as ext type 3 holding its 0-d array's (shape, dtype, bytes)."""
+    serialization = pytest.importorskip("flax.serialization")
+    import msgpack
+
+    scalars = {d.value: np.dtype(ml_dtypes.bfloat16 if d is DType.BF16 else d.numpy).type(1) for d in DType}
+    state = {"step": np.int32(7), "w": np.ones(2, np.float32),
+             "opt": {"count": np.uint64(2**64 - 1), "scalars": scalars, "mask": np.bool_(True)}}
+    data = serialization.msgpack_serialize(state)
+    assert b"\xc7" in data or b"\xd7" in data  # ext records: flax itself wrote them
+    (tmp_path / "plain.msgpack").write_bytes(data)
+    header, item = trainrec.read_file(tmp_path / "plain.msgpack")
+    theirs = serialization.msgpack_restore(data)
+    assert header.format == "flax.msgpack"
+    assert item["step"].dtype is DType.I32 and item["step"].shape == () and int(item["step"].read()) == 7
+    assert item["opt"]["count"].dtype is DType.U64 and int(item["opt"]["count"].read()) == 2**64 - 1
+    assert item["opt"]["mask"].dtype is DType.BOOL and bool(item["opt"]["mask"].read())
+    for d in DType:
+        got = item["opt"]["scalars"][d.value]
+        assert got.dtype is d and got.shape == ()
+        assert got.read().tobytes() == np.asarray(theirs["opt"]["scalars"][d.value]).tobytes()
+    # an ext 3 payload that is not a 0-d array, or a dtype trainrec has no tensor of, is refused
+    for bad, match in [(msgpack.ExtType(3, msgpack.packb(([2], "int32", b"\0" * 8))), "numpy scalar"),
+                       (msgpack.ExtType(3, msgpack.packb(("int32", b"\0" * 4))), "numpy scalar"),
+                       (msgpack.ExtType(3, msgpack.packb(([], "complex64", b"\0" * 8))), "dtype")]:
+        (tmp_path / "bad.msgpack").write_bytes(msgpack.packb({"s": bad}))
+        with pytest.raises(CorruptRecordError, match=match):
+            trainrec.read_file(tmp_path / "bad.msgpack")

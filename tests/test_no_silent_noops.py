@@ -142,3 +142,48 @@ def test_jax_grads_from_a_tree_of_another_model_raises():
     acc = GradientsAccumulator()
     with pytest.raises(ValueError, match="none of the 1 gradients"):
         acc.accumulate(model, GradientsParams({"Conv_0.kernel": jnp.ones(2)}))
+
+
+def test_set_grads_with_no_gradient_for_the_model_raises_naming_some_of_each():
+    torch = pytest.importorskip("torch")
+    trt = pytest.importorskip("trainrec.adapters.torch")
+    model = torch.nn.Linear(3, 1)
+    wrapped = torch.nn.Sequential(model)  # ParamIds "0.weight", "0.bias"
+    acc = GradientsAccumulator()
+    model(torch.ones(1, 3)).sum().backward()
+    acc.accumulate(wrapped, trt.grads_from(wrapped))
+    model.weight.grad = torch.full_like(model.weight, 5.0)
+    with pytest.raises(ValueError) as e:
+        trt.set_grads(model, acc.grads())  # model's ParamIds: "weight", "bias"
+    msg = str(e.value)
+    assert "none of the 2 gradients" in msg and "'0.weight'" in msg and "'weight'" in msg
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, 5.0))  # unchanged
+    with pytest.raises(ValueError, match="none of the 2"):
+        trt.set_grads(model, GradientsParams({"0.weight": torch.ones(1, 3), "x": torch.ones(1)}),
+                      allow_empty=True)  # allow_empty is for empty grads, not for strays
+
+
+def test_set_grads_writes_nothing_when_a_gradient_does_not_fit():
+    torch = pytest.importorskip("torch")
+    trt = pytest.importorskip("trainrec.adapters.torch")
+    model = torch.nn.Linear(3, 1)  # "weight" comes before "bias"
+    with pytest.raises(ValueError, match="'bias'"):
+        trt.set_grads(model, GradientsParams({"weight": torch.ones(1, 3), "bias": torch.ones(7)}))
+    assert model.weight.grad is None and model.bias.grad is None
+
+
+def test_jax_to_tree_refuses_empty_and_unmatched_gradients():
+    jnp = pytest.importorskip("jax.numpy")
+    trj = pytest.importorskip("trainrec.adapters.jax")
+    module = trj.JaxModule({"w": jnp.ones(3), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match="grads is empty"):
+        trj.to_tree(GradientsParams(), module)  # e.g. acc.grads() taken twice
+    zeros = trj.to_tree(GradientsParams(), module, allow_empty=True)
+    assert all((np.asarray(v) == 0).all() for v in zeros.values())
+    with pytest.raises(ValueError) as e:
+        trj.to_tree(GradientsParams({"x": jnp.ones(3), "params.w": jnp.ones(3)}), module,
+                    allow_empty=True)
+    assert "none of the 2 gradients" in str(e.value) and "'params.w'" in str(e.value)
+    assert "'w'" in str(e.value)
+    partial = trj.to_tree(GradientsParams({"w": jnp.full(3, 2.0), "x": jnp.ones(1)}), module)
+    assert np.asarray(partial["w"]).tolist() == [2.0] * 3 and np.asarray(partial["b"]).tolist() == [0.0] * 2

@@ -526,3 +526,13 @@ def test_cuda_record_restores_onto_cpu_and_back():
     pending, expected = r_back.accumulator.grads(), acc.grads()
     assert all(torch.equal(v, expected.get(k)) and v.is_cuda for k, v in pending.items())
     assert_state_equal(model.cpu(), gpu_model.cpu())
+
+
+def test_device_refuses_indexes_torch_does_not_have():
+    from trainrec.adapters.torch.backend import TorchBackend
+
+    backend = TorchBackend()
+    assert backend.device("cpu") == torch.device("cpu")
+    for spec in ("cpu:7", "cpu:4096", "cuda:4096"):  # torch parses "cpu:7"; 4096 wraps to index 0
+        with pytest.raises(ValueError, match="cpu|no such torch device|CUDA"):
+            backend.device(spec)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -310,18 +310,43 @@ def grads_from(grad_tree: Any, module: JaxModule) -> GradientsParams:
     return GradientsParams(leaves)
 
 
-def to_tree(grads: GradientsParams, module: JaxModule) -> Any:
+def to_tree(grads: GradientsParams, module: JaxModule, *, allow_empty: bool = False) -> Any:
     """A pytree shaped like the module's trainable tree, holding `grads` (zeros for
-    parameters without a gradient), as optax's `update` expects."""
+    parameters without a gradient), as optax's `update` expects.
+
+    A tree of zeros would train on nothing: empty `grads` (an accumulator's `grads()` taken
+    twice, or before any `accumulate`) raise `ValueError` unless `allow_empty=True`, and
+    non-empty `grads` of which none is for a parameter of the module always raise, naming
+    a few of each. Gradients of ParamIds the module lacks are otherwise ignored."""
+    if not isinstance(grads, GradientsParams):
+        raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
     if not isinstance(module, JaxModule):
         raise TypeError(f"module must be a JaxModule, got {type(module).__name__}")
+    if grads.is_empty() and not allow_empty:
+        raise ValueError(
+            "grads is empty: the tree would be all zeros and the update would train on nothing "
+            "(was acc.grads() already taken this window?); pass allow_empty=True for zeros"
+        )
     leaves, treedef = flatten(module.trainable())
     prefix = module._trainable_prefix()
+    ids = [f"{prefix}.{k}" if prefix else k for k in leaves]
+    if not grads.is_empty() and not any(pid in grads for pid in ids):
+        raise ValueError(
+            f"none of the {len(grads)} gradients is for a parameter of the module: gradients "
+            f"for {_some(grads)}, module parameters {_some(ids)}; the tree would be all zeros "
+            "(name gradients by the module's ParamIds: grads_from(tree, module) does)"
+        )
     out = []
-    for k, v in leaves.items():
-        g = grads.get(f"{prefix}.{k}" if prefix else k)
+    for pid, v in zip(ids, leaves.values()):
+        g = grads.get(pid)
         out.append(jnp.zeros_like(v) if g is None else g)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _some(ids: Iterable[str], n: int = 3) -> str:
+    names = list(ids)
+    shown = ", ".join(repr(k) for k in names[:n])
+    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > n else ''}]"
 
 
 class JaxAdapter:

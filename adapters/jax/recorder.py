@@ -1,12 +1,14 @@
 """`FlaxMsgpackFileRecorder`: records in flax's msgpack convention, without needing flax.
 
 flax writes an ndarray as msgpack ext type 1 holding `packb((shape, dtype.name,
-C-order bytes))`, and an array above 2**30 bytes as
+C-order bytes))`, a numpy scalar as ext type 3 holding the same for its 0-d array (read
+back as a 0-d tensor), and an array above 2**30 bytes as
 `{"__msgpack_chunked_array__": True, "shape": {"0": ...}, "chunks": {"0": ..., ...}}`.
 Our files are a map `{"format": "trainrec.flax", "version": [2, 0], "trainrec", "settings",
-"record", "item", "checksums": {key path: crc32}, "dtypes": {key path: saved dtype code},
-"crc": uint32}`, so `flax.serialization.msgpack_restore` reads them; `dtypes` names each
-tensor the settings stored in another dtype; `crc`, the file's last four bytes, is the
+"record", "item", "checksums": [crc32, ...], "dtypes": [saved dtype code | None, ...],
+"crc": uint32}`, so `flax.serialization.msgpack_restore` reads them; the two tables have
+one entry per tensor in tree order (`iter_tensors`), `dtypes` the saved dtype of each
+tensor the settings stored in another one (else None); `crc`, the file's last four bytes, is the
 CRC-32 of every byte before them (spec/ADAPTERS.md). A plain flax msgpack file (no header)
 loads as an item, unchecked. Loading is bounded by the file size (core's msgpack reader and
 its limits, tensors as views of the file's bytes) and never imports anything.
@@ -38,8 +40,8 @@ from trainrec.checksum import crc32
 from trainrec.envelope import (
     FILE_CRC_BYTES,
     CrcWriter,
+    TensorTables,
     check_file_crc,
-    crc_of,
     header_fields,
     parse_header,
     path_arg,
@@ -112,8 +114,8 @@ class FlaxMsgpackFileRecorder(RecorderBase):
         path = path_arg(args)
         # the reader's bounds, at its depths: the item under the envelope map, a tensor an ext leaf
         check_limits(item, depth=2, tensor_depth=0, source=str(path))
-        checksums: dict[str, int] = {}
-        dtypes: dict[str, str] = {}
+        _check_no_chunk_marker(item, "", str(path))
+        tables = TensorTables()
         packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         s = self.settings
         header = header_fields(FORMAT, VERSION, s, record_type)
@@ -122,9 +124,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             if isinstance(node, TensorData):
                 t = store_tensor(node, s, key=key, allow_lossy=allow_lossy,
                                  recorder=self.native_name())
-                if t.dtype is not node.dtype:
-                    dtypes[key] = node.dtype.value
-                checksums[key] = crc_of(t)
+                tables.add(node, t)
                 _write_tensor(f, packer, t)
             elif isinstance(node, dict):
                 f.write(packer.pack_map_header(len(node)))
@@ -147,9 +147,9 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             f.write(packer.pack("item"))
             write(f, item, "")
             f.write(packer.pack("checksums"))
-            f.write(packer.pack(checksums))
+            f.write(packer.pack(tables.checksums))
             f.write(packer.pack("dtypes"))
-            f.write(packer.pack(dtypes))
+            f.write(packer.pack(tables.dtypes))
             f.write(packer.pack("crc") + b"\xce")  # uint32: the crc is the file's last 4 bytes
             out.write(f.crc.to_bytes(FILE_CRC_BYTES, "big"))
         return path
@@ -186,6 +186,21 @@ class FlaxMsgpackFileRecorder(RecorderBase):
         except OSError as e:
             raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
         return parse(data, source)
+
+
+def _check_no_chunk_marker(item: Item, key: str, source: str) -> None:
+    """Refuse a map holding the key flax reserves for chunked arrays: readers (flax's and
+    ours) would take the map for an array."""
+    if isinstance(item, dict):
+        if _CHUNKED in item:
+            raise CorruptRecordError(
+                f"the key {_CHUNKED!r} is reserved for flax's chunked arrays: it would save but "
+                "never load (NamedMpkFileRecorder stores it)", source=source, key=key)
+        for k, v in item.items():
+            _check_no_chunk_marker(v, join_key(key, k), source)
+    elif isinstance(item, list):
+        for i, v in enumerate(item):
+            _check_no_chunk_marker(v, join_key(key, i), source)
 
 
 def _check_start(prefix: bytes, source: str) -> None:
@@ -252,14 +267,13 @@ def _decode_array(ext: Ext, source: str, key: str) -> np.ndarray[Any, Any]:
         tpl = decode_msgpack(ext.data, source, limits=_PAYLOAD_LIMITS)
     except CorruptRecordError as e:
         raise fail(f"malformed array payload: {e}") from None
-    if ext.code == 3:
-        if not (isinstance(tpl, list) and len(tpl) == 2):
-            raise fail("malformed numpy scalar")
-        shape, name, raw = [], tpl[0], tpl[1]
-    elif isinstance(tpl, list) and len(tpl) == 3:
-        shape, name, raw = tpl
-    else:
-        raise fail("malformed array payload")
+    # flax packs a numpy scalar (ext 3) as the 0-d array `np.asarray(x)`: the same
+    # (shape, dtype name, bytes) payload as an ndarray (ext 1), with shape ()
+    if not (isinstance(tpl, list) and len(tpl) == 3):
+        raise fail("malformed numpy scalar" if ext.code == 3 else "malformed array payload")
+    shape, name, raw = tpl
+    if ext.code == 3 and shape != []:
+        raise fail(f"malformed numpy scalar (shape {shape!r}, not ())")
     if not isinstance(name, str) or name not in _NAMES:
         raise fail(f"unsupported dtype {name!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0

@@ -71,6 +71,9 @@ class TorchBackend:
             dev = spec if isinstance(spec, torch.device) else torch.device(spec)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"{spec!r} is not a torch device: {e}") from None
+        if isinstance(spec, str) and ":" in spec and spec.rpartition(":")[2] != str(dev.index):
+            # torch keeps a device index in 8 bits: "cuda:4096" parses as cuda:0
+            raise ValueError(f"{spec!r}: no such torch device (torch reads it as {str(dev)!r})")
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(
@@ -82,6 +85,8 @@ class TorchBackend:
             return torch.device("cuda", index)
         if dev.type != "cpu":
             raise ValueError(f"trainrec's torch adapter supports cpu and cuda, not {dev.type}")
+        if dev.index not in (None, 0):  # torch parses "cpu:7", but has one CPU device
+            raise ValueError(f"{spec!r}: torch has one CPU device ('cpu')")
         return dev
 
     def device_of(self, tensor: Any) -> torch.device:

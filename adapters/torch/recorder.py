@@ -2,9 +2,10 @@
 
 The file is `torch.save` of plain containers only:
 `{"format": "trainrec.torch", "version": [2, 0], "trainrec": str, "settings": {...},
-"record": str, "item": tree, "checksums": {key path: crc32}, "dtypes": {key path: code}}`
-where the tree holds dicts, lists, scalars, str, bytes, None and CPU tensors, `dtypes`
-names the saved dtype of each tensor the settings stored in another one, and a zip comment
+"record": str, "item": tree, "checksums": [crc32, ...], "dtypes": [code | None, ...]}`
+where the tree holds dicts, lists, scalars, str, bytes, None and CPU tensors, the two
+tables have one entry per tensor in tree order (`iter_tensors`), `dtypes` the saved dtype
+of each tensor the settings stored in another one (else None), and a zip comment
 `trainrec.crc32:` + the CRC-32 of every byte before the file's last four holds them
 (spec/ADAPTERS.md). Loading checks that checksum and the zip's directory (every entry
 stored uncompressed, within the file) before `torch.load`, only ever uses
@@ -36,8 +37,8 @@ from trainrec._atomic import atomic_write
 from trainrec.envelope import (
     FILE_CRC_BYTES,
     CrcWriter,
+    TensorTables,
     check_file_crc,
-    crc_of,
     file_crc,
     header_fields,
     parse_header,
@@ -113,16 +114,13 @@ class TorchFileRecorder(RecorderBase):
         path = path_arg(args)
         # the reader's bounds, at its depths: the item at 0, a tensor one leaf
         check_limits(item, depth=0, tensor_depth=0, source=str(path))
-        checksums: dict[str, int] = {}
-        dtypes: dict[str, str] = {}
+        tables = TensorTables()
 
         def convert(node: Item, key: str) -> Any:
             if isinstance(node, TensorData):
                 t = store_tensor(node, self.settings, key=key, allow_lossy=allow_lossy,
                                  recorder=self.native_name())
-                if t.dtype is not node.dtype:
-                    dtypes[key] = node.dtype.value
-                checksums[key] = crc_of(t)
+                tables.add(node, t)
                 return _to_torch(t)
             if isinstance(node, dict):
                 return {k: convert(v, join_key(key, k)) for k, v in node.items()}
@@ -131,7 +129,7 @@ class TorchFileRecorder(RecorderBase):
             return node
 
         doc = {**header_fields(FORMAT, VERSION, self.settings, record_type),
-               "item": convert(item, ""), "checksums": checksums, "dtypes": dtypes}
+               "item": convert(item, ""), "checksums": tables.checksums, "dtypes": tables.dtypes}
         with atomic_write(path, size_hint=reserve_bytes(item, self.settings)) as f:
             sink = CrcWriter(f, hold=_EOCD)
             torch.save(doc, sink)  # type: ignore[arg-type]  # a file-like writer, as torch.save takes

@@ -195,7 +195,9 @@ class AdapterConformance:
 
     def test_device_rejects_devices_the_backend_does_not_have(self, h: Harness, parts: Parts) -> None:
         backend = self.harness.backend(parts)
-        for spec in ("trainrec-no-such-device:7", object()):
+        # an index no machine has, of the kinds backends name: a backend that checks only
+        # the kind ("cpu:<anything>") accepts devices it does not have
+        for spec in ("trainrec-no-such-device:7", object(), "cpu:4096", "gpu:4096", "cuda:4096"):
             _rejects(partial(backend.device, spec), "backend.device",
                      f"raises ValueError for a device it does not have ({spec!r})", ValueError)
 
@@ -452,17 +454,38 @@ class AdapterConformance:
             "a map of unknown keys": StateRecord(fitting.kind, {"no_such_key": 1}),
         }
         if component == "model":
-            tensors = dict(_tensor_map(fitting.item))
+            fitting_tensors = _tensor_map(fitting.item)
+            tensors = dict(fitting_tensors)
             first = next(iter(tensors))
             del tensors[first]
-            damaged[f"no {first}"] = StateRecord(fitting.kind, _with_tensor_map(fitting.item, tensors))
+            # each record gets its own map: `_with_tensor_map` may return the one it is given
+            damaged[f"no {first}"] = StateRecord(fitting.kind, _with_tensor_map(fitting.item, dict(tensors)))
             tensors[first] = TensorData.from_array(np.zeros((7, 3, 5), np.float32))
             damaged[f"{first} of the wrong shape"] = StateRecord(fitting.kind,
-                                                                 _with_tensor_map(fitting.item, tensors))
+                                                                 _with_tensor_map(fitting.item, dict(tensors)))
+            saved = fitting_tensors[first]
+            if isinstance(saved, TensorData):  # same shape, another kind: int for float
+                kind = DType.I32 if saved.dtype.is_float else DType.F32
+                tensors[first] = TensorData.from_array(np.zeros(saved.shape, kind.numpy))
+                damaged[f"{first} of another dtype kind ({kind.value} for {saved.dtype.value}, "
+                        "same shape)"] = StateRecord(fitting.kind, _with_tensor_map(fitting.item, dict(tensors)))
         if component == "optimizer":
             item = _copy(fitting.item)
             if _with_unknown_param(item, m.param_ids()):
                 damaged["state for an unknown parameter (no.such.param)"] = StateRecord(fitting.kind, item)
+            # a per-parameter buffer must have its parameter's shape; a hyperparameter keeps
+            # its type (spec/PROTOCOLS.md, Optimizer)
+            shapes = {tuple(s) for s in m.param_shapes().values() if int(np.prod(s)) > 1}
+            item = _copy(fitting.item)
+            where_t = _replace_first(
+                item, lambda v: isinstance(v, TensorData) and v.shape in shapes,
+                lambda v: TensorData.from_array(np.zeros((1,), v.array.dtype)))
+            if where_t is not None:
+                damaged[f"{where_t} of shape (1,), not its parameter's"] = StateRecord(fitting.kind, item)
+            item = _copy(fitting.item)
+            where_h = _replace_first(item, lambda v: type(v) is float, lambda v: str(v))
+            if where_h is not None:
+                damaged[f"{where_h} a str, not a number"] = StateRecord(fitting.kind, item)
         for what, record in damaged.items():
             _rejects(partial(check, record), where, f"raises RecordMismatchError for a record with {what}",
                      RecordMismatchError)
@@ -564,6 +587,25 @@ def _copy(item: Item) -> Item:
     if isinstance(item, list):
         return [_copy(v) for v in item]
     return item
+
+
+def _replace_first(item: Item, found: Callable[[Item], bool], make: Callable[[Any], Item],
+                   path: str = "") -> str | None:
+    """Replace, in place, the first leaf of `item` (depth first) for which `found` holds
+    with `make(leaf)`; its dotted key path, or None when no leaf matched. `item` must be
+    a copy (`_copy`): leaves are shared."""
+    entries: list[tuple[Any, Item]] = (list(item.items()) if isinstance(item, dict)
+                                       else list(enumerate(item)) if isinstance(item, list) else [])
+    for k, v in entries:
+        key = f"{path}.{k}" if path else str(k)
+        if isinstance(v, (dict, list)):
+            hit = _replace_first(v, found, make, key)
+            if hit is not None:
+                return hit
+        elif found(v):
+            item[k] = make(v)  # type: ignore[index]
+            return key
+    return None
 
 
 def _with_tensor_map(state: Item, tensors: dict[str, Item]) -> Item:

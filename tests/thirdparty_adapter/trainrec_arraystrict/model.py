@@ -9,7 +9,7 @@ import array_api_strict as xp
 import numpy as np
 
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
-from trainrec.records import check_tensor_map, expect_kind
+from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
 
 from .adapter import StrictBackend
 
@@ -86,6 +86,9 @@ class SGD:
         item = expect_kind(record, self.kind, "optimizer")
         if not isinstance(item, dict) or set(item) != {"momentum", "buffers"}:
             raise RecordMismatchError("SGD record must be {momentum, buffers}", key="optimizer")
+        problems = kind_mismatches(item["momentum"], self.momentum, "optimizer.momentum")
+        if problems:
+            raise RecordMismatchError("; ".join(problems), key="optimizer.momentum")
         shapes = {k: (s, DType.F32) for k, s in module.param_shapes().items()}
         check_tensor_map(item["buffers"], shapes, "optimizer.buffers", allow_subset=True)
         return item
