@@ -64,7 +64,7 @@ import numpy as np
 from .errors import RecorderError
 from .gradients import GradientsParamsRecord
 from .items import Item, check_item
-from .precision import NativePrecisionSettings
+from .precision import NativePrecisionSettings, is_lossless
 from .records import StateRecord
 from .tensor import TensorData
 from .training import TrainingRecord
@@ -106,11 +106,36 @@ class Rule:
 
 
 def load_rules(path: str | Path) -> list[Rule]:
-    """Rules from a JSON file `{"rules": [{"match", "replace", "transform"?}, ...]}`."""
+    """Rules from a JSON file `{"rules": [{"match", "replace", "transform"?}, ...]}`.
+    Raises `ValueError` naming every rule that is not such a map of strings, whose
+    `match` is not a regular expression or whose `transform` is unknown."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise ValueError(f"{path}: expected {{\"rules\": [...]}}")
-    return [Rule(r["match"], r["replace"], r.get("transform", "none")) for r in data["rules"]]
+    rules, problems = [], []
+    for i, r in enumerate(data["rules"]):
+        where = f"{path}: rules[{i}]"
+        if not isinstance(r, dict):
+            problems.append(f"{where}: expected a map {{\"match\", \"replace\", \"transform\"?}}, "
+                            f"got {type(r).__name__}")
+            continue
+        unknown = sorted(set(r) - {"match", "replace", "transform"})
+        missing = [k for k in ("match", "replace") if k not in r]
+        wrong = [k for k in ("match", "replace", "transform") if k in r and not isinstance(r[k], str)]
+        if unknown or missing or wrong:
+            problems.append(f"{where}: " + "; ".join(
+                [f"missing {k!r}" for k in missing] + [f"unknown key {k!r}" for k in unknown]
+                + [f"{k!r} must be a string" for k in wrong]))
+            continue
+        try:
+            rules.append(Rule(r["match"], r["replace"], r.get("transform", "none")))
+        except re.error as e:
+            problems.append(f"{where}: match {r['match']!r} is not a regular expression ({e})")
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+    if problems:
+        raise ValueError("bad conversion rules: " + "; ".join(problems))
+    return rules
 
 
 def framework_of(record: TrainingRecord[Any]) -> str:
@@ -215,10 +240,15 @@ def _match_params(source: dict[str, TensorData], target: dict[str, TensorData], 
     return mapping
 
 
-def _apply(t: TensorData, transform: str, like: TensorData | None = None) -> TensorData:
+def _apply(t: TensorData, transform: str, like: TensorData | None = None,
+           lossy: list[str] | None = None, where: str = "") -> TensorData:
     """`t` transformed (and cast to `like`'s dtype), lazily: the work happens when the
-    tensor is read, so a writer streams a conversion tensor by tensor."""
+    tensor is read, so a writer streams a conversion tensor by tensor. A cast to another
+    dtype is checked now (the tensor read once): where it changes values, `where` goes
+    to `lossy`."""
     dtype = like.dtype if like is not None else t.dtype
+    if lossy is not None and dtype is not t.dtype and not is_lossless(t, dtype):
+        lossy.append(f"{where} ({t.dtype.value} -> {dtype.value})")
     shape = tuple(TRANSFORMS[transform](np.empty(t.shape, np.uint8)).shape)
 
     def load() -> np.ndarray[Any, Any]:
@@ -261,9 +291,14 @@ def _torch_optimizer(opt: StateRecord, force: bool) -> _Neutral:
         entry = _map(value, f"source.optimizer.state.{pid}")
         step = entry.get("step")
         if isinstance(step, TensorData):
-            steps.add(int(float(step.array)))
-        elif isinstance(step, (int, float)):
+            if step.shape not in ((), (1,)) or step.dtype.numpy.kind not in "iuf":
+                raise ConversionError(f"source.optimizer.state.{pid}.step: expected one real number, "
+                                      f"got a {step.dtype.value} tensor of shape {step.shape}")
+            steps.add(int(float(step.array.reshape(()))))
+        elif isinstance(step, (int, float)) and not isinstance(step, bool):
             steps.add(int(step))
+        elif step is not None:
+            raise ConversionError(f"source.optimizer.state.{pid}.step: expected a number, got {step!r}")
         for src, dst in (("exp_avg", m), ("momentum_buffer", m), ("exp_avg_sq", v)):
             moment = entry.get(src)
             if isinstance(moment, TensorData):
@@ -305,7 +340,7 @@ def _target_algo(template: StateRecord, to_flax: bool) -> str:
 
 
 def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]],
-                      position: int) -> Item:
+                      position: int, lossy: list[str]) -> Item:
     """The template's optax state with the source's moments, its step in every update count
     and `position` in every schedule count."""
     leaves = _map(template.item, "template.optimizer")
@@ -324,7 +359,8 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
                 elif src[0] not in source:
                     out[key] = like  # torch keeps no state before a parameter's first step
                 else:
-                    out[key] = _apply(source[src[0]], src[1], like if isinstance(like, TensorData) else None)
+                    out[key] = _apply(source[src[0]], src[1], like if isinstance(like, TensorData) else None,
+                                      lossy, f"optimizer.{key}")
                 break
         else:
             if _is_count(key) and isinstance(like, TensorData):
@@ -338,7 +374,8 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
 
 
 def _to_torch_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]],
-                        target_params: dict[str, TensorData], lrs: list[float] | None) -> Item:
+                        target_params: dict[str, TensorData], lrs: list[float] | None,
+                        lossy: list[str]) -> Item:
     """The template's param groups (with `lrs`, the rate of each group at the schedule
     position, where given) and the source's state."""
     item = _map(template.item, "template.optimizer")
@@ -360,11 +397,14 @@ def _to_torch_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, t
                 continue  # no state yet for this parameter
             like = target_params[pid]
             if sgd:
-                state[pid] = {"momentum_buffer": _apply(n.m[src[0]], src[1], like)}
+                state[pid] = {"momentum_buffer": _apply(n.m[src[0]], src[1], like, lossy,
+                                                        f"optimizer.state.{pid}.momentum_buffer")}
             else:
                 state[pid] = {"step": TensorData.from_array(np.asarray(float(n.step), np.float32)),
-                              "exp_avg": _apply(n.m[src[0]], src[1], like),
-                              "exp_avg_sq": _apply(n.v[src[0]], src[1], like)}
+                              "exp_avg": _apply(n.m[src[0]], src[1], like, lossy,
+                                                f"optimizer.state.{pid}.exp_avg"),
+                              "exp_avg_sq": _apply(n.v[src[0]], src[1], like, lossy,
+                                                   f"optimizer.state.{pid}.exp_avg_sq")}
     return {"state": state, "param_groups": groups}
 
 
@@ -512,7 +552,8 @@ def _carry_schedule(source: TrainingRecord[Any], template: TrainingRecord[Any], 
 
 def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
             rules: list[Rule] | None = None, force: bool = False,
-            drop_rng: bool = False, lr: float | Sequence[float] | None = None) -> TrainingRecord[Any]:
+            drop_rng: bool = False, lr: float | Sequence[float] | None = None,
+            allow_lossy: bool = False) -> TrainingRecord[Any]:
     """`source` converted into the framework, layout and structure of `template`.
 
     The learning-rate schedule's position (torch `last_epoch`, a `JaxLrScheduler` count,
@@ -523,7 +564,10 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
     Raises `ConversionError` listing every problem (unmapped or mismatched tensors,
     optimizer maths that differ, a schedule position the target cannot hold or whose
     torch rate is not given, RNG state) at once; `force=True` converts anyway where the
-    maths or the schedule differ. `ValueError` for an `lr` that is not a rate per group.
+    maths or the schedule differ. A template dtype narrower than the source's (f32 weights
+    into a bfloat16 template) is refused where the cast changes a value (checked exactly,
+    `trainrec.precision.is_lossless`) unless `allow_lossy=True`, which rounds them.
+    `ValueError` for an `lr` that is not a rate per group.
     """
     src_fw, dst_fw = framework_of(source), framework_of(template)
     if src_fw == dst_fw:
@@ -532,7 +576,9 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
     src_params = (_torch_params if src_fw == "torch" else _jax_params)(source.model, "source")
     dst_params = (_jax_params if to_flax else _torch_params)(template.model, "template")
     mapping = _match_params(src_params, dst_params, to_flax, rules or [])
-    new_params = {name: _apply(src_params[s], tr, dst_params[name]) for name, (s, tr) in mapping.items()}
+    lossy: list[str] = []
+    new_params = {name: _apply(src_params[s], tr, dst_params[name], lossy, f"model.{name}")
+                  for name, (s, tr) in mapping.items()}
     for name, t in dst_params.items():
         new_params.setdefault(name, t)  # num_batches_tracked: the template's
     if src_fw == "torch":
@@ -553,12 +599,15 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
     if to_flax:
         t_model = _map(template.model.item, "template.model")
         model_item: Item = {k: new_params.get(k, v) for k, v in t_model.items()}
-        opt_item = _to_jax_optimizer(neutral, template.optimizer, mapping, position)
+        opt_item = _to_jax_optimizer(neutral, template.optimizer, mapping, position, lossy)
     else:
         t_model = _map(template.model.item, "template.model")
         model_item = {"tensors": {k: new_params[k] for k in dst_params}, "aliases": t_model.get("aliases"),
                       "grads": {}}
-        opt_item = _to_torch_optimizer(neutral, template.optimizer, mapping, dst_params, lrs)
+        opt_item = _to_torch_optimizer(neutral, template.optimizer, mapping, dst_params, lrs, lossy)
+    if lossy and not allow_lossy:
+        raise ConversionError("the template's dtypes are narrower and would change these values:\n  "
+                              + "\n  ".join(lossy) + "\n(allow_lossy=True converts anyway, rounding them)")
     inverse_src = {s: (t, tr) for t, (s, tr) in mapping.items()}
     grads = {}
     for pid, g in source.grads.grads.items():

@@ -568,3 +568,91 @@ def test_optimizers_of_different_algorithms_are_refused(direction):
     else:
         moments = [k for k in forced if ".mu." in k]
         assert moments and all(np.array_equal(forced[k].array, target.optimizer.item[k].array) for k in moments)
+
+
+# -- refusals instead of wrong resumes (issue 13 item 6) -----------------------------------
+
+
+def _cli_convert(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainrec", "convert", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(("rules", "named"), [
+    ({"rules": [{"replace": "x"}]}, "rules[0]: missing 'match'"),
+    ({"rules": [{"match": "ok", "replace": "y"}, {"match": "(", "replace": "x"}]}, "rules[1]: match '('"),
+    ({"rules": ["fc1.weight"]}, "rules[0]: expected a map"),
+    ({"rules": [{"match": "a", "replace": "b", "transform": "flip"}]}, "rules[0]: unknown transform 'flip'"),
+    ({"rules": [{"match": "a", "replace": 3}]}, "rules[0]: 'replace' must be a string"),
+])
+def test_bad_rules_are_refused_naming_the_rule(tmp_path, rules, named):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rules))
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")):
+        load_rules(path)
+    src = tmp_path / "src.mpk"
+    JaxRun("mlp-adamw").record(0).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), src)
+    template = tmp_path / "template.mpk"
+    TorchRun("mlp-adamw").record(0).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()),
+                                         template)
+    out = _cli_convert(src, tmp_path / "dst.mpk", "--to", "torch", "--template", template, "--map", path)
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr and named in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_torch_step_that_is_not_one_number_is_a_conversion_error_naming_the_key():
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, K, x, y)
+    damaged = _damaged(src.record(K), 1, lambda o: o["state"]["fc1.weight"].update(
+        step=trainrec.TensorData.from_array(np.ones(2, np.float32))))
+    with pytest.raises(ConversionError, match=r"source\.optimizer\.state\.fc1\.weight\.step"):
+        convert(damaged, JaxRun("mlp-adamw").record(0))
+
+
+class FlaxMLPBf16(fnn.Module):
+    @fnn.compact
+    def __call__(self, tok):
+        h = fnn.LayerNorm(epsilon=1e-5, name="ln", param_dtype=jnp.bfloat16)(
+            fnn.Embed(10, 8, name="emb", param_dtype=jnp.bfloat16)(tok)).mean(1)
+        dense = {"param_dtype": jnp.bfloat16}
+        return fnn.Dense(3, name="fc2", **dense)(fnn.relu(fnn.Dense(16, name="fc1", **dense)(h)))
+
+
+def test_a_narrower_template_dtype_is_refused_unless_lossy_is_allowed(tmp_path):
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, K, x, y)
+    run = JaxRun("mlp-adamw")
+    run.net = FlaxMLPBf16()
+    variables = run.net.init(jax.random.PRNGKey(0), jnp.asarray(x[0]))
+    run.model, tx = trj.JaxModule(variables), optax.adamw(1e-2, weight_decay=0.01)
+    run.opt = trj.JaxOptimizer(tx, tx.init(variables["params"]))
+    template = run.record(0)
+    with pytest.raises(ConversionError, match=r"model\.params\.fc1\.kernel \(f32 -> bf16\)") as refused:
+        convert(src.record(K), template)
+    assert "exp_avg" not in str(refused.value) and "allow_lossy" in str(refused.value)
+    out = convert(src.record(K), template, allow_lossy=True)
+    kernel = out.model.item["params.fc1.kernel"]
+    assert kernel.dtype is trainrec.DType.BF16
+    want = src.model.fc1.weight.detach().numpy().T
+    assert np.array_equal(kernel.array, want.astype(kernel.dtype.numpy))
+    # values that bf16 holds exactly convert without a word
+    exact = TorchRun("mlp-adamw")
+    with torch.no_grad():
+        for p in exact.model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    out = convert(exact.record(0), template)
+    assert np.array_equal(out.model.item["params.fc1.kernel"].array.astype(np.float32),
+                          exact.model.fc1.weight.detach().numpy().T)
+    # the command line refuses with exit 4, and --allow-lossy converts
+    path = src.record(K).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "s.mpk")
+    tpath = template.save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "t.mpk")
+    no = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath)
+    assert no.returncode == 4 and "allow_lossy" in no.stderr and not (tmp_path / "d.mpk").exists()
+    yes = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath, "--allow-lossy")
+    assert yes.returncode == 0, yes.stderr
