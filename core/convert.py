@@ -375,15 +375,22 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
 
 def _to_torch_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]],
                         target_params: dict[str, TensorData], lrs: list[float] | None,
-                        lossy: list[str]) -> Item:
+                        momenta: list[float] | None, lossy: list[str]) -> Item:
     """The template's param groups (with `lrs`, the rate of each group at the schedule
-    position, where given) and the source's state."""
+    position, where given, and `momenta`, the momentum or beta1 a OneCycleLR sets there)
+    and the source's state."""
     item = _map(template.item, "template.optimizer")
     groups: list[Item] = []
     for gi, group in enumerate(_list(item.get("param_groups"), "template.optimizer.param_groups")):
         g = dict(_map(group, f"template.optimizer.param_groups.{gi}"))
         if lrs is not None:
             g["lr"] = lrs[gi]
+        if momenta is not None:
+            betas = g.get("betas")
+            if isinstance(betas, list) and betas:
+                g["betas"] = [momenta[gi], *betas[1:]]
+            else:
+                g["momentum"] = momenta[gi]
         groups.append(g)
     sgd = template.kind.lower().endswith(".sgd")
     state: dict[str, Item] = {}
@@ -487,17 +494,50 @@ def _rates(lr: float | Sequence[float], groups: int) -> list[float]:
     return [float(r) for r in rates]
 
 
+def _one_cycle_momenta(item: dict[str, Item], groups: list[Item], position: int) -> list[float] | str:
+    """The momentum (SGD `momentum` or Adam's beta1) of each param group that a torch
+    OneCycleLR with `cycle_momentum` sets at `position`, computed as its `get_lr` does
+    (the same float operations, so the same values); or why it cannot be."""
+    phases, kind = item.get("_schedule_phases"), item.get("_anneal_func_type")
+    if kind not in ("cos", "linear") or not isinstance(phases, list) or not phases:
+        return f"a OneCycleLR keeping _anneal_func_type {kind!r} and _schedule_phases {phases!r}"
+
+    def anneal(start: float, end: float, pct: float) -> float:
+        if kind == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    out = []
+    for gi, group in enumerate(groups):
+        g = _map(group, f"template.optimizer.param_groups.{gi}")
+        start_step = 0.0
+        for i, phase in enumerate(phases):
+            ph = _map(phase, f"template.scheduler._schedule_phases.{i}")
+            end_step = ph.get("end_step")
+            lo, hi = g.get(str(ph.get("start_momentum"))), g.get(str(ph.get("end_momentum")))
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (end_step, lo, hi)):
+                return f"param group {gi} or phase {i} lacks its momentum bounds"
+            assert isinstance(end_step, (int, float)) and isinstance(lo, (int, float)) and isinstance(hi, (int, float))
+            if position <= end_step or i == len(phases) - 1:
+                out.append(anneal(lo, hi, (position - start_step) / (end_step - start_step)))
+                break
+            start_step = end_step
+    return out
+
+
 def _carry_schedule(source: TrainingRecord[Any], template: TrainingRecord[Any], step: int,
                     lr: float | Sequence[float] | None,
-                    force: bool) -> tuple[int, StateRecord | None, list[float] | None]:
+                    force: bool) -> tuple[int, StateRecord | None, list[float] | None, list[float] | None]:
     """(the position for the target's schedule counts, the target's scheduler record, the
-    rate of each torch param group at that position). Raises `ConversionError` where the
-    position has no place in the target, or a torch target's rate at it is unknown."""
+    rate of each torch param group at that position, the momentum a torch OneCycleLR sets
+    there). Raises `ConversionError` where the position has no place in the target, or a
+    torch target's rate at it is unknown."""
     problems: list[str] = []
     source_schedule = _source_schedule(source, problems)
     sched = template.scheduler
     to_flax = framework_of(template) == "jax"
     lrs: list[float] | None = None
+    momenta: list[float] | None = None
     if to_flax:
         if lr is not None:
             raise ValueError("lr is for torch targets: JAX computes its rate from the schedule count")
@@ -517,6 +557,11 @@ def _carry_schedule(source: TrainingRecord[Any], template: TrainingRecord[Any], 
                             f"the source has no schedule position after {step} steps")
     else:
         position, where = source_schedule
+        updates_counted = [p for p in places if p.startswith("template.optimizer.")]
+        if where.endswith("last_epoch") and position != step and updates_counted:
+            problems.append(f"{where} = {position} but the optimizer took {step} steps (the torch "
+                            f"scheduler is not stepped once per update), and the template's schedule "
+                            f"counts updates ({', '.join(updates_counted)}): its rates would differ")
         if not places and position > 0:
             problems.append(f"{where} = {position}: the template has no schedule to carry it"
                             + (" (an optax schedule or a JaxLrScheduler)" if to_flax else " (a torch scheduler)"))
@@ -537,6 +582,13 @@ def _carry_schedule(source: TrainingRecord[Any], template: TrainingRecord[Any], 
                     f"template.scheduler: a {sched.kind} at last_epoch {position} keeps each group's "
                     "learning rate there, which the records do not give (the schedule is code); pass "
                     f"lr= (the source schedule's rate at {position})")
+            if (sched.kind.endswith(".OneCycleLR") and item.get("cycle_momentum")
+                    and position != item.get("last_epoch")):
+                found = _one_cycle_momenta(item, groups, position)
+                if isinstance(found, str):
+                    problems.append(f"template.scheduler: {found}: the momentum at {position} is unknown")
+                else:
+                    momenta = found
             item["last_epoch"], item["_step_count"] = position, position + 1
             if lrs is not None:
                 item["_last_lr"] = list(lrs)
@@ -544,7 +596,7 @@ def _carry_schedule(source: TrainingRecord[Any], template: TrainingRecord[Any], 
     if problems and not force:
         raise ConversionError("the learning-rate schedule does not carry over:\n  " + "\n  ".join(problems)
                               + "\n(force=True converts anyway: the template's rates, the position where it fits)")
-    return position, scheduler, lrs
+    return position, scheduler, lrs, momenta
 
 
 # -- the conversion ------------------------------------------------------------------------
@@ -595,7 +647,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
                                   "build the target with the same algorithm (force=True keeps the "
                                   "template's fresh state)")
         neutral = _Neutral(target_algo, neutral.step, {}, {})
-    position, scheduler, lrs = _carry_schedule(source, template, neutral.step, lr, force)
+    position, scheduler, lrs, momenta = _carry_schedule(source, template, neutral.step, lr, force)
     if to_flax:
         t_model = _map(template.model.item, "template.model")
         model_item: Item = {k: new_params.get(k, v) for k, v in t_model.items()}
@@ -604,7 +656,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
         t_model = _map(template.model.item, "template.model")
         model_item = {"tensors": {k: new_params[k] for k in dst_params}, "aliases": t_model.get("aliases"),
                       "grads": {}}
-        opt_item = _to_torch_optimizer(neutral, template.optimizer, mapping, dst_params, lrs, lossy)
+        opt_item = _to_torch_optimizer(neutral, template.optimizer, mapping, dst_params, lrs, momenta, lossy)
     if lossy and not allow_lossy:
         raise ConversionError("the template's dtypes are narrower and would change these values:\n  "
                               + "\n  ".join(lossy) + "\n(allow_lossy=True converts anyway, rounding them)")

@@ -468,12 +468,16 @@ def test_torch_scheduler_position_resumes_in_optax():
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 def test_the_schedule_position_goes_to_schedule_counts_and_the_step_to_update_counts():
     """A torch scheduler stepped once more than the optimizer (one warm-up step before
-    training): optax's schedule count gets last_epoch, Adam's count the step."""
+    training): a record cannot tell an offset from a scheduler stepped at another rate
+    (per epoch), so it is refused; forced, optax's schedule count gets last_epoch, Adam's
+    count the step."""
     x, y = batches("mlp-adamw")
     src = scheduled_torch()
     src.sched.step()
     src.train(0, K, x, y)
-    out = convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0))
+    with pytest.raises(ConversionError, match="not stepped once per update"):
+        convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0))
+    out = convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0), force=True)
     steps = K // WINDOW
     assert (int(out.optimizer.item["0.count"].array), int(out.optimizer.item["2.count"].array)) == \
         (steps, steps + 1)
@@ -656,3 +660,61 @@ def test_a_narrower_template_dtype_is_refused_unless_lossy_is_allowed(tmp_path):
     assert no.returncode == 4 and "allow_lossy" in no.stderr and not (tmp_path / "d.mpk").exists()
     yes = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath, "--allow-lossy")
     assert yes.returncode == 0, yes.stderr
+
+
+def test_a_torch_scheduler_stepped_per_epoch_is_refused_for_an_optax_schedule_counting_updates():
+    """StepLR stepped once every 2 optimizer steps: last_epoch is half the update count, and
+    optax's exponential_decay counts updates: carried, the JAX rate would be twice torch's."""
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    src.sched, per_epoch = None, src.sched
+    for epoch in range(2):
+        src.train(2 * WINDOW * epoch, 2 * WINDOW * (epoch + 1), x, y)
+        per_epoch.step()
+    src.sched = per_epoch
+    record = src.record(4 * WINDOW)
+    assert (per_epoch.last_epoch, int(record.optimizer.item["state"]["fc1.weight"]["step"].array)) == (2, 4)
+    tx = optax.adamw(optax.exponential_decay(1e-2, 2, 0.5, staircase=True), weight_decay=0.01)
+    target = JaxRun("mlp-adamw", tx=tx).record(0)
+    with pytest.raises(ConversionError, match=r"last_epoch = 2 but the optimizer took 4 steps"):
+        convert(record, target)
+    forced = convert(record, target, force=True).optimizer.item
+    assert (int(forced["0.count"].array), int(forced["2.count"].array)) == (4, 2)
+    # a JaxLrScheduler counts what its caller steps: the position carries
+    jax_sched = trj.JaxLrScheduler(optax.exponential_decay(1e-2, 1, 0.5, staircase=True), 0)
+    run = JaxRun("mlp-adamw")
+    template = TrainingRecord.capture(run.model, run.opt, jax_sched, run.acc, S(0))
+    assert convert(record, template).scheduler.item["count"] == 2
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_one_cycle_momentum_is_set_at_the_position(opt):
+    """JAX onecycle run -> torch OneCycleLR (cycle_momentum): beta1 (or SGD momentum) is the
+    one an uninterrupted torch run has there, not the template's."""
+    x, y = batches("mlp-adamw")
+    schedule = optax.cosine_onecycle_schedule(20, 0.01)
+    tx = optax.adam(schedule) if opt == "adam" else optax.sgd(schedule, momentum=0.9)
+    src = JaxRun("mlp-adamw", tx=tx)
+    src.train(0, K + 3, x, y)  # 4 updates
+    position = (K + 3) // WINDOW
+
+    def torch_opt(p):
+        return torch.optim.Adam(p, lr=0.01) if opt == "adam" else torch.optim.SGD(p, lr=0.01, momentum=0.9)
+
+    def one_cycle(o):
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.01, total_steps=20)
+
+    dst = TorchRun("mlp-adamw", scheduler=one_cycle)
+    dst.opt = torch_opt(dst.model.parameters())
+    dst.sched = one_cycle(dst.opt)
+    native = TorchRun("mlp-adamw")
+    native.opt = torch_opt(native.model.parameters())
+    native.sched = one_cycle(native.opt)
+    native.train(0, K + 3, x, y)
+    converted = convert(src.record(K + 3), dst.record(0), lr=native.opt.param_groups[0]["lr"])
+    dst.restore(converted)
+    key = "betas" if opt == "adam" else "momentum"
+    assert dst.sched.last_epoch == native.sched.last_epoch == position
+    assert dst.opt.param_groups[0][key] == native.opt.param_groups[0][key]
+    assert dst.opt.param_groups[0][key] != one_cycle(torch_opt(nn.Linear(1, 1).parameters())).optimizer \
+        .param_groups[0][key]
