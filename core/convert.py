@@ -340,9 +340,10 @@ def _target_algo(template: StateRecord, to_flax: bool) -> str:
 
 
 def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tuple[str, str]],
-                      position: int, lossy: list[str]) -> Item:
-    """The template's optax state with the source's moments, its step in every update count
-    and `position` in every schedule count."""
+                      position: int, rate: float | None, lossy: list[str]) -> Item:
+    """The template's optax state with the source's moments, its step in every update count,
+    `position` in every schedule count and `rate` (the torch groups' `lr`) in an
+    `inject_hyperparams` learning rate."""
     leaves = _map(template.item, "template.optimizer")
     updates, _ = _counts(leaves)
     out: dict[str, Item] = {}
@@ -366,6 +367,9 @@ def _to_jax_optimizer(n: _Neutral, template: StateRecord, inverse: dict[str, tup
             if _is_count(key) and isinstance(like, TensorData):
                 value = n.step if key in updates else position
                 out[key] = TensorData.from_array(np.asarray(value, like.dtype.numpy))  # 0-d
+            elif _is_injected_rate(key) and rate is not None:
+                out[key] = (TensorData.from_array(np.asarray(rate, like.dtype.numpy).reshape(like.shape))
+                            if isinstance(like, TensorData) else rate)
             else:
                 out[key] = like  # hyperparameters and empty states: the target's own
     if problems:
@@ -483,6 +487,34 @@ def _source_schedule(source: TrainingRecord[Any], problems: list[str]) -> tuple[
     if len(set(found.values())) > 1:
         problems.append(f"source.optimizer: the schedule counts disagree ({found})")
     return (max(found.values()), f"source.optimizer.{min(found)}") if found else None
+
+
+def _is_injected_rate(key: str) -> bool:
+    return key == "hyperparams.learning_rate" or key.endswith(".hyperparams.learning_rate")
+
+
+def _injected_rate(leaves: dict[str, Item], role: str) -> float | None:
+    """The learning rate an `optax.inject_hyperparams` state holds as data, or None."""
+    found: dict[str, float] = {}
+    for key, value in leaves.items():
+        if _is_injected_rate(key):
+            if isinstance(value, TensorData) and value.shape in ((), (1,)) and value.dtype.is_float:
+                found[key] = float(value.array.reshape(()))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                found[key] = float(value)
+            else:
+                raise ConversionError(f"{role}.optimizer.{key}: expected one rate, got {value!r}")
+    if len(set(found.values())) > 1:
+        raise ConversionError(f"{role}.optimizer: the injected learning rates disagree ({found})")
+    return next(iter(found.values()), None)
+
+
+def _torch_rate(opt: StateRecord) -> float | None:
+    """The one `lr` of a torch optimizer record's param groups, or None when they differ."""
+    groups = _list(_map(opt.item, "source.optimizer").get("param_groups"), "source.optimizer.param_groups")
+    rates = {_map(g, f"source.optimizer.param_groups.{i}").get("lr") for i, g in enumerate(groups)}
+    rate = rates.pop() if len(rates) == 1 else None
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
 
 
 def _rates(lr: float | Sequence[float], groups: int) -> list[float]:
@@ -647,11 +679,21 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
                                   "build the target with the same algorithm (force=True keeps the "
                                   "template's fresh state)")
         neutral = _Neutral(target_algo, neutral.step, {}, {})
+    if to_flax:
+        rate = None
+        if _injected_rate(_map(template.optimizer.item, "template.optimizer"), "template") is not None:
+            rate = _torch_rate(source.optimizer)
+            if rate is None and not force:
+                raise ConversionError("the template injects one learning rate (optax.inject_hyperparams), "
+                                      "the source's param groups hold different ones (force=True keeps "
+                                      "the template's)")
+    elif lr is None:  # a JAX rate held as data is the torch groups' rate
+        lr = _injected_rate(_map(source.optimizer.item, "source.optimizer"), "source")
     position, scheduler, lrs, momenta = _carry_schedule(source, template, neutral.step, lr, force)
     if to_flax:
         t_model = _map(template.model.item, "template.model")
         model_item: Item = {k: new_params.get(k, v) for k, v in t_model.items()}
-        opt_item = _to_jax_optimizer(neutral, template.optimizer, mapping, position, lossy)
+        opt_item = _to_jax_optimizer(neutral, template.optimizer, mapping, position, rate, lossy)
     else:
         t_model = _map(template.model.item, "template.model")
         model_item = {"tensors": {k: new_params[k] for k in dst_params}, "aliases": t_model.get("aliases"),

@@ -718,3 +718,29 @@ def test_one_cycle_momentum_is_set_at_the_position(opt):
     assert dst.opt.param_groups[0][key] == native.opt.param_groups[0][key]
     assert dst.opt.param_groups[0][key] != one_cycle(torch_opt(nn.Linear(1, 1).parameters())).optimizer \
         .param_groups[0][key]
+
+
+def test_a_learning_rate_held_by_inject_hyperparams_is_carried_both_ways():
+    x, y = batches("mlp-adamw")
+    inject = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.01)
+    src = TorchRun("mlp-adamw")
+    src.opt.param_groups[0]["lr"] = 1e-4  # lowered by hand mid-run
+    src.train(0, K, x, y)
+    out = convert(src.record(K), JaxRun("mlp-adamw", tx=inject).record(0)).optimizer.item
+    assert out["hyperparams.learning_rate"].array == np.float32(1e-4)
+    assert out["hyperparams.learning_rate"].dtype is trainrec.DType.F32
+    two = TorchRun("mlp-adamw")
+    two.opt = torch.optim.AdamW([{"params": [two.model.fc1.weight], "lr": 5e-4},
+                                 {"params": [p for n, p in two.model.named_parameters() if n != "fc1.weight"]}])
+    with pytest.raises(ConversionError, match="inject"):
+        convert(two.record(0), JaxRun("mlp-adamw", tx=inject).record(0))
+
+    jax_src = JaxRun("mlp-adamw", tx=optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.01))
+    jax_src.opt.opt_state.hyperparams["learning_rate"] = jnp.asarray(1e-4, jnp.float32)
+    jax_src.train(0, K, x, y)
+    dst = TorchRun("mlp-adamw")  # AdamW(lr=1e-2)
+    dst.restore(convert(jax_src.record(K), dst.record(0)))
+    assert dst.opt.param_groups[0]["lr"] == float(np.float32(1e-4))
+    given = TorchRun("mlp-adamw")
+    given.restore(convert(jax_src.record(K), given.record(0), lr=3e-4))
+    assert given.opt.param_groups[0]["lr"] == 3e-4  # an explicit lr= wins
