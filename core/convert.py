@@ -313,8 +313,64 @@ def _torch_optimizer(opt: StateRecord, force: bool) -> _Neutral:
     return _Neutral(algo or "adam", max(steps) if steps else 0, m, v)
 
 
-def _jax_optimizer(opt: StateRecord) -> _Neutral:
+TRANSFORMS_KEY = "#transforms"  # the optax transforms a JaxOptimizer record names
+# stateless transforms that may come before the algorithm's (as torch's weight decay does
+# for SGD) and after it (the learning rate, AdamW's decoupled decay)
+_BEFORE = frozenset({"add_decayed_weights", "identity", "clip", "clip_by_global_norm"})
+_AFTER = frozenset({"scale", "scale_by_learning_rate", "scale_by_schedule", "add_decayed_weights", "identity"})
+_INJECTED = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
+
+
+def _state_field(key: str) -> str:
+    """The optax state field a leaf belongs to: its first key that is no chain index and
+    no `inner_state` (`0.nu_max.fc1.kernel` -> `nu_max`)."""
+    return next((part for part in key.split(".") if not part.isdigit() and part != "inner_state"), key)
+
+
+def _jax_algo(leaves: dict[str, Item], role: str, force: bool) -> str:
+    """"adam" or "sgd": the algorithm a JaxOptimizer record's `#transforms` name, and whose
+    state leaves are exactly that algorithm's (`mu`/`nu`, or `trace`); "" where it is
+    neither and `force` is given; else `ConversionError` naming what was found."""
+    names = leaves.get(TRANSFORMS_KEY)
+    markers = {_state_field(k) for k, v in leaves.items() if isinstance(v, TensorData)
+               and not _is_count(k) and ".hyperparams." not in f".{k}"}
+    guess = "adam" if markers == {"mu", "nu"} else "sgd" if markers <= {"trace"} else ""
+    if names is None:
+        why = (f"{role}.optimizer names no optax transforms ({TRANSFORMS_KEY}: recorded before "
+               "trainrec kept them), and Adam's state is that of AdaMax, Yogi, NAdam, RAdam or AdaBelief")
+        if not force:
+            raise ConversionError(why + "; capture the record again, or force=True to take it for "
+                                  + (guess or "none of Adam and SGD"))
+        return guess
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConversionError(f"{role}.optimizer.{TRANSFORMS_KEY}: expected a list of names, got {names!r}")
+    algos: list[str] = []
+    unknown: list[str] = []
+    for name in names:
+        base, _, args = name.partition("(")
+        if base == "scale_by_adam" and "nesterov=False" in args and "eps_root=0.0" in args:
+            algos.append("adam")
+        elif base == "trace":
+            algos.append("sgd")
+        elif base.startswith("inject_") and args.rstrip(")") in _INJECTED:
+            algos.append(_INJECTED[args.rstrip(")")])
+        elif base not in (_AFTER if algos else _BEFORE):
+            unknown.append(name)
+    algo = algos[0] if len(algos) == 1 else "" if algos else "sgd"
+    if unknown or len(algos) > 1 or algo != (guess or algo) or (guess == "" and markers):
+        if not force:
+            raise ConversionError(
+                f"{role}.optimizer: optax transforms {names} with state {sorted(markers) or 'none'}: no "
+                "torch counterpart here (Adam / AdamW: scale_by_adam(nesterov=False, eps_root=0) with "
+                "mu and nu; SGD: trace); build it with optax.adam, adamw or sgd (force=True keeps "
+                "the target's fresh state)")
+        return ""
+    return algo
+
+
+def _jax_optimizer(opt: StateRecord, force: bool) -> _Neutral:
     leaves = _map(opt.item, "source.optimizer")
+    algo = _jax_algo(leaves, "source", force)
     m = {"params." + k.split(".mu.", 1)[1]: t for k, t in leaves.items()
          if ".mu." in f".{k}" and isinstance(t, TensorData)}
     v = {"params." + k.split(".nu.", 1)[1]: t for k, t in leaves.items()
@@ -326,15 +382,16 @@ def _jax_optimizer(opt: StateRecord) -> _Neutral:
     count_key = f"{mu_prefix}.count" if mu_prefix is not None and f"{mu_prefix}.count" in leaves else (
         counts[0] if counts else None)
     step = 0 if count_key is None else _count(leaves[count_key], f"source.optimizer.{count_key}")
-    if trace and not m:
+    if not algo:
+        return _Neutral("unknown", step, {}, {})
+    if algo == "sgd":
         return _Neutral("sgd", step, trace, {})
     return _Neutral("adam", step, m, v)
 
 
-def _target_algo(template: StateRecord, to_flax: bool) -> str:
+def _target_algo(template: StateRecord, to_flax: bool, force: bool) -> str:
     if to_flax:
-        keys = [f".{k}" for k in _map(template.item, "template.optimizer")]
-        return "adam" if any(".mu." in k for k in keys) else "sgd" if any(".trace." in k for k in keys) else ""
+        return _jax_algo(_map(template.item, "template.optimizer"), "template", force)
     kind = template.kind.lower()
     return "sgd" if kind.endswith(".sgd") else "adam" if kind.endswith((".adam", ".adamw")) else ""
 
@@ -670,8 +727,8 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
         if native and not force:
             raise ConversionError("the torch model holds gradients in .grad (native accumulation); "
                                   "move them into the accumulator, or force=True to drop them")
-    neutral = _torch_optimizer(source.optimizer, force) if to_flax else _jax_optimizer(source.optimizer)
-    target_algo = _target_algo(template.optimizer, to_flax)
+    neutral = _torch_optimizer(source.optimizer, force) if to_flax else _jax_optimizer(source.optimizer, force)
+    target_algo = _target_algo(template.optimizer, to_flax, force)
     if neutral.m and target_algo != neutral.algo:
         if not force:
             raise ConversionError(f"the source optimizer keeps {neutral.algo} state, the template's "
