@@ -346,7 +346,7 @@ def _jax_algo(leaves: dict[str, Item], role: str, force: bool) -> str:
         raise ConversionError(f"{role}.optimizer.{TRANSFORMS_KEY}: expected a list of names, got {names!r}")
     algos: list[str] = []
     unknown: list[str] = []
-    for name in names:
+    for name in [str(n) for n in names]:
         base, _, args = name.partition("(")
         if base == "scale_by_adam" and "nesterov=False" in args and "eps_root=0.0" in args:
             algos.append("adam")
