@@ -744,3 +744,71 @@ def test_a_learning_rate_held_by_inject_hyperparams_is_carried_both_ways():
     given = TorchRun("mlp-adamw")
     given.restore(convert(jax_src.record(K), given.record(0), lr=3e-4))
     assert given.opt.param_groups[0]["lr"] == 3e-4  # an explicit lr= wins
+
+
+OTHER_OPTAX = {
+    "amsgrad": lambda: optax.amsgrad(1e-2), "adabelief": lambda: optax.adabelief(1e-2),
+    "adamax": lambda: optax.adamax(1e-2), "yogi": lambda: optax.yogi(1e-2), "nadam": lambda: optax.nadam(1e-2),
+    "radam": lambda: optax.radam(1e-2), "lion": lambda: optax.lion(1e-3),
+    "rmsprop-momentum": lambda: optax.rmsprop(1e-2, momentum=0.9),
+    "rss-trace": lambda: optax.chain(optax.scale_by_rss(), optax.trace(0.9), optax.scale(-1e-2)),
+    "scaled-trace": lambda: optax.chain(optax.scale(-1e-2), optax.trace(0.9)),
+    "inject-nadam": lambda: optax.inject_hyperparams(optax.nadam)(learning_rate=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_OPTAX))
+@pytest.mark.parametrize("direction", ["jax-to-torch", "torch-to-jax"])
+def test_other_optax_algorithms_are_refused_naming_them(name, direction):
+    """Only optax's Adam/AdamW (scale_by_adam) and SGD (trace) convert: the others' states
+    look alike (AdaMax, Yogi, NAdam, RAdam, AdaBelief keep count/mu/nu) but their maths differ."""
+    x, y = batches("mlp-adamw")
+    sgd = "trace" in name or "rmsprop" in name
+    torch_run = TorchRun("mlp-adamw")
+    if sgd:
+        torch_run.opt = torch.optim.SGD(torch_run.model.parameters(), lr=1e-2, momentum=0.9)
+    jax_run = JaxRun("mlp-adamw", tx=OTHER_OPTAX[name]())
+    src, target = (jax_run, torch_run) if direction == "jax-to-torch" else (torch_run, jax_run)
+    src.train(0, K, x, y)
+    role = "source" if direction == "jax-to-torch" else "template"
+    with pytest.raises(ConversionError, match=rf"{role}\.optimizer: optax transforms \[") as refused:
+        convert(src.record(K), target.record(0))
+    named = {"adabelief": "scale_by_belief(", "rmsprop-momentum": "scale_by_rms(", "rss-trace": "scale_by_rss(",
+             "scaled-trace": "'scale(step_size=-0.01)', 'trace(", "nadam": "scale_by_adam(b1=0.9, b2=0.999, eps=1e-08, eps_root=0.0, nesterov=True)", "inject-nadam": "inject_hyperparams(adam(nesterov=True))"}
+    assert named.get(name, f"scale_by_{name}(") in str(refused.value)
+    forced = convert(src.record(K), target.record(0), force=True).optimizer.item  # the template's fresh state
+    if direction == "jax-to-torch":
+        assert forced["state"] == {}
+    else:
+        fresh = target.record(0).optimizer.item
+        assert all(np.array_equal(v.array, fresh[k].array) for k, v in forced.items()
+                   if isinstance(v, trainrec.TensorData) and not k.endswith("count"))
+
+
+def test_jax_optimizer_records_name_their_transforms_and_restore_exactly(tmp_path):
+    from trainrec.adapters.jax.bindings import transforms_of
+
+    x, y = batches("mlp-adamw")
+    run = JaxRun("mlp-adamw")
+    run.train(0, K, x, y)
+    record = run.record(K)
+    names = record.optimizer.item["#transforms"]
+    assert names == transforms_of(run.opt.tx) and names[0].startswith("scale_by_adam(") \
+        and "nesterov=False" in names[0]
+    assert "nesterov=True" in transforms_of(optax.nadam(1e-2))[0]
+    for recorder, path in [(trj.FlaxMsgpackFileRecorder(trainrec.NativePrecisionSettings()), "r.msgpack"),
+                           (trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), "r.mpk")]:
+        loaded = TrainingRecord.load(recorder, record.save(recorder, tmp_path / path), state_type=S)
+        assert loaded.optimizer.item["#transforms"] == names
+        other = JaxRun("mlp-adamw", seed=3)
+        other.restore(loaded)
+        for a, b in zip(jax.tree_util.tree_leaves(other.opt.opt_state), jax.tree_util.tree_leaves(run.opt.opt_state)):
+            assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    # a record from before the names loads as before; conversion asks for force
+    old = TrainingRecord(record.model, trainrec.StateRecord(record.optimizer.kind, {
+        k: v for k, v in record.optimizer.item.items() if k != "#transforms"}), None, record.grads, record.state,
+        None)
+    JaxRun("mlp-adamw", seed=3).restore(old)
+    with pytest.raises(ConversionError, match="names no optax transforms"):
+        convert(old, TorchRun("mlp-adamw").record(0))
+    assert convert(old, TorchRun("mlp-adamw").record(0), force=True).optimizer.item["state"]

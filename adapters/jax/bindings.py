@@ -12,6 +12,7 @@ field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -262,7 +263,11 @@ def _describe(fn: Any, out: list[str]) -> None:
                 return
     if name.startswith("inject_"):
         factories = [v for v in cells.values() if callable(v) and not isinstance(v, type)]
-        inner = getattr(factories[0], "__qualname__", "?") if factories else "?"
+        factory = factories[0] if factories else None
+        inner = getattr(factory, "__qualname__", "?")
+        if isinstance(factory, functools.partial):  # optax.nadam is partial(adam, nesterov=True)
+            bound = ", ".join(f"{k}={v!r}" for k, v in sorted(factory.keywords.items()))
+            inner = f"{getattr(factory.func, '__qualname__', '?')}({bound})"
         out.append(f"{name}({inner})")
         return
     scalars = ", ".join(f"{k}={v!r}" for k, v in sorted(cells.items())
