@@ -22,14 +22,34 @@ momentum 0.1, flax keeps the biased running variance and torch the unbiased one;
 running values are copied as they are. LayerNorm eps: torch 1e-5, flax 1e-6 by default.
 
 Optimizers: SGD (momentum, nesterov) <-> optax `trace`; Adam / AdamW <-> optax
-`ScaleByAdamState` (`count`, `mu`, `nu`); moments get their parameter's transform.
-Conversion refuses (unless `force=True`) where the maths differ: AMSGrad, SGD
-dampening, `maximize`, per-parameter step counts that disagree, complex parameters.
+`ScaleByAdamState` (`count`, `mu`, `nu`); moments get their parameter's transform. The
+JAX algorithm is the one the record's `#transforms` names (the JaxOptimizer binding
+records the optax transforms in chain order): `scale_by_adam` without nesterov and with
+`eps_root=0` (or `inject_hyperparams(adam|adamw)`), or `trace` (`inject_hyperparams(sgd)`),
+with only stateless learning-rate, weight-decay and clipping transforms around it, and
+state leaves exactly `mu`/`nu` or `trace`. Anything else (AMSGrad's `nu_max`, AdaBelief,
+AdaMax, Yogi, NAdam, RAdam, whose states look like Adam's, RMSProp, Lion, rss + trace)
+is a `ConversionError` naming the transforms and state found, as is a record without
+`#transforms` (captured before it was kept). Conversion also refuses where the maths
+differ: AMSGrad, SGD dampening, `maximize`, per-parameter step counts that disagree,
+complex parameters. `force=True` converts anyway, keeping the template's fresh state
+where the algorithms differ. A learning rate that `optax.inject_hyperparams` keeps as data
+(`hyperparams.learning_rate`) is carried: a JAX target gets the torch groups' one rate
+(groups that differ are refused unless forced), a torch target's groups get it (unless
+`lr` is given).
+
+Dtypes: values are cast to the template's dtypes; where a cast changes a value (f32
+weights into a bfloat16 template; checked exactly, `precision.is_lossless`), conversion
+refuses unless `allow_lossy=True`.
 
 Schedulers: the position (torch `last_epoch`, a JaxLrScheduler `count`, or the count of
 a schedule inside optax, e.g. `optax.adamw(warmup_cosine_decay_schedule(...))`) goes to
 the target's scheduler and to the counts of the schedules inside its optax state (the
-update counts of Adam get the optimizer's step). A torch target also keeps the rate at
+update counts of Adam get the optimizer's step). A schedule inside optax counts updates:
+a torch `last_epoch` that differs from the optimizer's step (a scheduler stepped per
+epoch, or with an offset: one record cannot tell them apart) is refused for it unless
+`force=True`. A torch OneCycleLR target with `cycle_momentum` also gets the momentum (or
+Adam's beta1) it sets at the position, computed from its state as its `get_lr` does. A torch target also keeps the rate at
 that position (every group's `lr`, the scheduler's `_last_lr`), which no record gives
 (the schedule is code): pass it as `lr`. Refused unless `force=True`: a position the
 target has no schedule for (or a target schedule with no source position), a torch
@@ -39,8 +59,9 @@ without `lr`. The closed forms differ: torch's CosineAnnealingLR is periodic pas
 while optax's cosine decay clamps; OneCycle phase boundaries differ by one step. Use a
 target schedule that reproduces the source's values.
 
-A malformed record (a component that is not the map or list its framework writes) is a
-`ConversionError` naming the key.
+A malformed record (a component that is not the map or list its framework writes, a
+torch `step` that is not one number) is a `ConversionError` naming the key; a malformed
+rules file a `ValueError` naming the rule (CLI: exit 3).
 
 A parameter without optimizer state in the source (torch creates it at a parameter's
 first step) keeps the template's, which a freshly built target holds at zero. Pending
