@@ -101,6 +101,8 @@ def _main(argv: Sequence[str] | None) -> int:
                      help="the learning rate at the record's schedule position (one, or one per "
                           "param group): needed for a torch target whose scheduler computes it")
     con.add_argument("--drop-rng", action="store_true", help="drop framework RNG states (not convertible)")
+    con.add_argument("--allow-lossy", action="store_true",
+                     help="round values into a template's narrower dtypes (refused by default)")
     con.add_argument("--json", action="store_true")
 
     args = parser.parse_args(argv)
@@ -431,7 +433,7 @@ def _convert(args: argparse.Namespace) -> int:
             rules = load_rules(args.map) if args.map else None
             lr = None if args.lr is None else args.lr[0] if len(args.lr) == 1 else args.lr
             converted = convert(source, template, rules=rules, force=args.force,
-                                drop_rng=args.drop_rng, lr=lr)
+                                drop_rng=args.drop_rng, lr=lr, allow_lossy=args.allow_lossy)
             converted.save(_recorder_for(args.dst), args.dst)
             summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,
                        "parameters": sum(1 for _ in iter_tensors(converted.model.item)),

@@ -468,12 +468,16 @@ def test_torch_scheduler_position_resumes_in_optax():
 @pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")
 def test_the_schedule_position_goes_to_schedule_counts_and_the_step_to_update_counts():
     """A torch scheduler stepped once more than the optimizer (one warm-up step before
-    training): optax's schedule count gets last_epoch, Adam's count the step."""
+    training): a record cannot tell an offset from a scheduler stepped at another rate
+    (per epoch), so it is refused; forced, optax's schedule count gets last_epoch, Adam's
+    count the step."""
     x, y = batches("mlp-adamw")
     src = scheduled_torch()
     src.sched.step()
     src.train(0, K, x, y)
-    out = convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0))
+    with pytest.raises(ConversionError, match="not stepped once per update"):
+        convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0))
+    out = convert(src.record(K), JaxRun("mlp-adamw", tx=scheduled_tx()).record(0), force=True)
     steps = K // WINDOW
     assert (int(out.optimizer.item["0.count"].array), int(out.optimizer.item["2.count"].array)) == \
         (steps, steps + 1)
@@ -568,3 +572,243 @@ def test_optimizers_of_different_algorithms_are_refused(direction):
     else:
         moments = [k for k in forced if ".mu." in k]
         assert moments and all(np.array_equal(forced[k].array, target.optimizer.item[k].array) for k in moments)
+
+
+# -- refusals instead of wrong resumes (issue 13 item 6) -----------------------------------
+
+
+def _cli_convert(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainrec", "convert", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(("rules", "named"), [
+    ({"rules": [{"replace": "x"}]}, "rules[0]: missing 'match'"),
+    ({"rules": [{"match": "ok", "replace": "y"}, {"match": "(", "replace": "x"}]}, "rules[1]: match '('"),
+    ({"rules": ["fc1.weight"]}, "rules[0]: expected a map"),
+    ({"rules": [{"match": "a", "replace": "b", "transform": "flip"}]}, "rules[0]: unknown transform 'flip'"),
+    ({"rules": [{"match": "a", "replace": 3}]}, "rules[0]: 'replace' must be a string"),
+])
+def test_bad_rules_are_refused_naming_the_rule(tmp_path, rules, named):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rules))
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("(", r"\(")):
+        load_rules(path)
+    src = tmp_path / "src.mpk"
+    JaxRun("mlp-adamw").record(0).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), src)
+    template = tmp_path / "template.mpk"
+    TorchRun("mlp-adamw").record(0).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()),
+                                         template)
+    out = _cli_convert(src, tmp_path / "dst.mpk", "--to", "torch", "--template", template, "--map", path)
+    assert out.returncode == 3, out.stderr
+    assert "Traceback" not in out.stderr and named in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_torch_step_that_is_not_one_number_is_a_conversion_error_naming_the_key():
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, K, x, y)
+    damaged = _damaged(src.record(K), 1, lambda o: o["state"]["fc1.weight"].update(
+        step=trainrec.TensorData.from_array(np.ones(2, np.float32))))
+    with pytest.raises(ConversionError, match=r"source\.optimizer\.state\.fc1\.weight\.step"):
+        convert(damaged, JaxRun("mlp-adamw").record(0))
+
+
+class FlaxMLPBf16(fnn.Module):
+    @fnn.compact
+    def __call__(self, tok):
+        h = fnn.LayerNorm(epsilon=1e-5, name="ln", param_dtype=jnp.bfloat16)(
+            fnn.Embed(10, 8, name="emb", param_dtype=jnp.bfloat16)(tok)).mean(1)
+        dense = {"param_dtype": jnp.bfloat16}
+        return fnn.Dense(3, name="fc2", **dense)(fnn.relu(fnn.Dense(16, name="fc1", **dense)(h)))
+
+
+def test_a_narrower_template_dtype_is_refused_unless_lossy_is_allowed(tmp_path):
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.train(0, K, x, y)
+    run = JaxRun("mlp-adamw")
+    run.net = FlaxMLPBf16()
+    variables = run.net.init(jax.random.PRNGKey(0), jnp.asarray(x[0]))
+    run.model, tx = trj.JaxModule(variables), optax.adamw(1e-2, weight_decay=0.01)
+    run.opt = trj.JaxOptimizer(tx, tx.init(variables["params"]))
+    template = run.record(0)
+    with pytest.raises(ConversionError, match=r"model\.params\.fc1\.kernel \(f32 -> bf16\)") as refused:
+        convert(src.record(K), template)
+    assert "exp_avg" not in str(refused.value) and "allow_lossy" in str(refused.value)
+    out = convert(src.record(K), template, allow_lossy=True)
+    kernel = out.model.item["params.fc1.kernel"]
+    assert kernel.dtype is trainrec.DType.BF16
+    want = src.model.fc1.weight.detach().numpy().T
+    assert np.array_equal(kernel.array, want.astype(kernel.dtype.numpy))
+    # values that bf16 holds exactly convert without a word
+    exact = TorchRun("mlp-adamw")
+    with torch.no_grad():
+        for p in exact.model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    out = convert(exact.record(0), template)
+    assert np.array_equal(out.model.item["params.fc1.kernel"].array.astype(np.float32),
+                          exact.model.fc1.weight.detach().numpy().T)
+    # the command line refuses with exit 4, and --allow-lossy converts
+    path = src.record(K).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "s.mpk")
+    tpath = template.save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "t.mpk")
+    no = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath)
+    assert no.returncode == 4 and "allow_lossy" in no.stderr and not (tmp_path / "d.mpk").exists()
+    yes = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath, "--allow-lossy")
+    assert yes.returncode == 0, yes.stderr
+
+
+def test_a_torch_scheduler_stepped_per_epoch_is_refused_for_an_optax_schedule_counting_updates():
+    """StepLR stepped once every 2 optimizer steps: last_epoch is half the update count, and
+    optax's exponential_decay counts updates: carried, the JAX rate would be twice torch's."""
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+    src.sched, per_epoch = None, src.sched
+    for epoch in range(2):
+        src.train(2 * WINDOW * epoch, 2 * WINDOW * (epoch + 1), x, y)
+        per_epoch.step()
+    src.sched = per_epoch
+    record = src.record(4 * WINDOW)
+    assert (per_epoch.last_epoch, int(record.optimizer.item["state"]["fc1.weight"]["step"].array)) == (2, 4)
+    tx = optax.adamw(optax.exponential_decay(1e-2, 2, 0.5, staircase=True), weight_decay=0.01)
+    target = JaxRun("mlp-adamw", tx=tx).record(0)
+    with pytest.raises(ConversionError, match=r"last_epoch = 2 but the optimizer took 4 steps"):
+        convert(record, target)
+    forced = convert(record, target, force=True).optimizer.item
+    assert (int(forced["0.count"].array), int(forced["2.count"].array)) == (4, 2)
+    # a JaxLrScheduler counts what its caller steps: the position carries
+    jax_sched = trj.JaxLrScheduler(optax.exponential_decay(1e-2, 1, 0.5, staircase=True), 0)
+    run = JaxRun("mlp-adamw")
+    template = TrainingRecord.capture(run.model, run.opt, jax_sched, run.acc, S(0))
+    assert convert(record, template).scheduler.item["count"] == 2
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd"])
+def test_one_cycle_momentum_is_set_at_the_position(opt):
+    """JAX onecycle run -> torch OneCycleLR (cycle_momentum): beta1 (or SGD momentum) is the
+    one an uninterrupted torch run has there, not the template's."""
+    x, y = batches("mlp-adamw")
+    schedule = optax.cosine_onecycle_schedule(20, 0.01)
+    tx = optax.adam(schedule) if opt == "adam" else optax.sgd(schedule, momentum=0.9)
+    src = JaxRun("mlp-adamw", tx=tx)
+    src.train(0, K + 3, x, y)  # 4 updates
+    position = (K + 3) // WINDOW
+
+    def torch_opt(p):
+        return torch.optim.Adam(p, lr=0.01) if opt == "adam" else torch.optim.SGD(p, lr=0.01, momentum=0.9)
+
+    def one_cycle(o):
+        return torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.01, total_steps=20)
+
+    dst = TorchRun("mlp-adamw", scheduler=one_cycle)
+    dst.opt = torch_opt(dst.model.parameters())
+    dst.sched = one_cycle(dst.opt)
+    native = TorchRun("mlp-adamw")
+    native.opt = torch_opt(native.model.parameters())
+    native.sched = one_cycle(native.opt)
+    native.train(0, K + 3, x, y)
+    converted = convert(src.record(K + 3), dst.record(0), lr=native.opt.param_groups[0]["lr"])
+    dst.restore(converted)
+    key = "betas" if opt == "adam" else "momentum"
+    assert dst.sched.last_epoch == native.sched.last_epoch == position
+    assert dst.opt.param_groups[0][key] == native.opt.param_groups[0][key]
+    assert dst.opt.param_groups[0][key] != one_cycle(torch_opt(nn.Linear(1, 1).parameters())).optimizer \
+        .param_groups[0][key]
+
+
+def test_a_learning_rate_held_by_inject_hyperparams_is_carried_both_ways():
+    x, y = batches("mlp-adamw")
+    inject = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.01)
+    src = TorchRun("mlp-adamw")
+    src.opt.param_groups[0]["lr"] = 1e-4  # lowered by hand mid-run
+    src.train(0, K, x, y)
+    out = convert(src.record(K), JaxRun("mlp-adamw", tx=inject).record(0)).optimizer.item
+    assert out["hyperparams.learning_rate"].array == np.float32(1e-4)
+    assert out["hyperparams.learning_rate"].dtype is trainrec.DType.F32
+    two = TorchRun("mlp-adamw")
+    two.opt = torch.optim.AdamW([{"params": [two.model.fc1.weight], "lr": 5e-4},
+                                 {"params": [p for n, p in two.model.named_parameters() if n != "fc1.weight"]}])
+    with pytest.raises(ConversionError, match="inject"):
+        convert(two.record(0), JaxRun("mlp-adamw", tx=inject).record(0))
+
+    jax_src = JaxRun("mlp-adamw", tx=optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.01))
+    jax_src.opt.opt_state.hyperparams["learning_rate"] = jnp.asarray(1e-4, jnp.float32)
+    jax_src.train(0, K, x, y)
+    dst = TorchRun("mlp-adamw")  # AdamW(lr=1e-2)
+    dst.restore(convert(jax_src.record(K), dst.record(0)))
+    assert dst.opt.param_groups[0]["lr"] == float(np.float32(1e-4))
+    given = TorchRun("mlp-adamw")
+    given.restore(convert(jax_src.record(K), given.record(0), lr=3e-4))
+    assert given.opt.param_groups[0]["lr"] == 3e-4  # an explicit lr= wins
+
+
+OTHER_OPTAX = {
+    "amsgrad": lambda: optax.amsgrad(1e-2), "adabelief": lambda: optax.adabelief(1e-2),
+    "adamax": lambda: optax.adamax(1e-2), "yogi": lambda: optax.yogi(1e-2), "nadam": lambda: optax.nadam(1e-2),
+    "radam": lambda: optax.radam(1e-2), "lion": lambda: optax.lion(1e-3),
+    "rmsprop-momentum": lambda: optax.rmsprop(1e-2, momentum=0.9),
+    "rss-trace": lambda: optax.chain(optax.scale_by_rss(), optax.trace(0.9), optax.scale(-1e-2)),
+    "scaled-trace": lambda: optax.chain(optax.scale(-1e-2), optax.trace(0.9)),
+    "inject-nadam": lambda: optax.inject_hyperparams(optax.nadam)(learning_rate=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_OPTAX))
+@pytest.mark.parametrize("direction", ["jax-to-torch", "torch-to-jax"])
+def test_other_optax_algorithms_are_refused_naming_them(name, direction):
+    """Only optax's Adam/AdamW (scale_by_adam) and SGD (trace) convert: the others' states
+    look alike (AdaMax, Yogi, NAdam, RAdam, AdaBelief keep count/mu/nu) but their maths differ."""
+    x, y = batches("mlp-adamw")
+    sgd = "trace" in name or "rmsprop" in name
+    torch_run = TorchRun("mlp-adamw")
+    if sgd:
+        torch_run.opt = torch.optim.SGD(torch_run.model.parameters(), lr=1e-2, momentum=0.9)
+    jax_run = JaxRun("mlp-adamw", tx=OTHER_OPTAX[name]())
+    src, target = (jax_run, torch_run) if direction == "jax-to-torch" else (torch_run, jax_run)
+    src.train(0, K, x, y)
+    role = "source" if direction == "jax-to-torch" else "template"
+    with pytest.raises(ConversionError, match=rf"{role}\.optimizer: optax transforms \[") as refused:
+        convert(src.record(K), target.record(0))
+    named = {"adabelief": "scale_by_belief(", "rmsprop-momentum": "scale_by_rms(", "rss-trace": "scale_by_rss(",
+             "scaled-trace": "'scale(step_size=-0.01)', 'trace(", "nadam": "scale_by_adam(b1=0.9, b2=0.999, eps=1e-08, eps_root=0.0, nesterov=True)", "inject-nadam": "inject_hyperparams(adam(nesterov=True))"}
+    assert named.get(name, f"scale_by_{name}(") in str(refused.value)
+    forced = convert(src.record(K), target.record(0), force=True).optimizer.item  # the template's fresh state
+    if direction == "jax-to-torch":
+        assert forced["state"] == {}
+    else:
+        fresh = target.record(0).optimizer.item
+        assert all(np.array_equal(v.array, fresh[k].array) for k, v in forced.items()
+                   if isinstance(v, trainrec.TensorData) and not k.endswith("count"))
+
+
+def test_jax_optimizer_records_name_their_transforms_and_restore_exactly(tmp_path):
+    from trainrec.adapters.jax.bindings import transforms_of
+
+    x, y = batches("mlp-adamw")
+    run = JaxRun("mlp-adamw")
+    run.train(0, K, x, y)
+    record = run.record(K)
+    names = record.optimizer.item["#transforms"]
+    assert names == transforms_of(run.opt.tx) and names[0].startswith("scale_by_adam(") \
+        and "nesterov=False" in names[0]
+    assert "nesterov=True" in transforms_of(optax.nadam(1e-2))[0]
+    for recorder, path in [(trj.FlaxMsgpackFileRecorder(trainrec.NativePrecisionSettings()), "r.msgpack"),
+                           (trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), "r.mpk")]:
+        loaded = TrainingRecord.load(recorder, record.save(recorder, tmp_path / path), state_type=S)
+        assert loaded.optimizer.item["#transforms"] == names
+        other = JaxRun("mlp-adamw", seed=3)
+        other.restore(loaded)
+        for a, b in zip(jax.tree_util.tree_leaves(other.opt.opt_state), jax.tree_util.tree_leaves(run.opt.opt_state)):
+            assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    # a record from before the names loads as before; conversion asks for force
+    old = TrainingRecord(record.model, trainrec.StateRecord(record.optimizer.kind, {
+        k: v for k, v in record.optimizer.item.items() if k != "#transforms"}), None, record.grads, record.state,
+        None)
+    JaxRun("mlp-adamw", seed=3).restore(old)
+    with pytest.raises(ConversionError, match="names no optax transforms"):
+        convert(old, TorchRun("mlp-adamw").record(0))
+    assert convert(old, TorchRun("mlp-adamw").record(0), force=True).optimizer.item["state"]

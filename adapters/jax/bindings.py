@@ -12,6 +12,7 @@ field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -229,10 +230,65 @@ class JaxModule:
         self.params = _rebuild(leaves, treedef, recorded, device)
 
 
+TRANSFORMS_KEY = "#transforms"
+
+
+def _cells(fn: Any) -> dict[str, Any]:
+    """A function's closure variables by name (empty cells left out)."""
+    out = {}
+    for name, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:
+            continue
+    return out
+
+
+def _describe(fn: Any, out: list[str]) -> None:
+    """Append the optax transforms behind an update function, in chain order: a chain's
+    members in turn, `inject_hyperparams(<factory>)`, else the function's factory name
+    with its scalar closure variables (`scale_by_adam(b1=0.9, ..., nesterov=False)`)."""
+    name = getattr(fn, "__qualname__", type(fn).__name__).split(".<locals>")[0]
+    cells = _cells(fn) if callable(fn) else {}
+    if name in ("chain", "named_chain"):
+        for value in cells.values():
+            for member in value if isinstance(value, (tuple, list)) else ():
+                member = member[-1] if isinstance(member, tuple) else member  # named_chain: (name, tx)
+                _describe(getattr(member, "update", member), out)
+        return
+    if name == "with_extra_args_support":  # chain's wrapper of each member
+        for value in cells.values():
+            if hasattr(value, "update") or callable(value):
+                _describe(getattr(value, "update", value), out)
+                return
+    if name.startswith("inject_"):
+        factories = [v for v in cells.values() if callable(v) and not isinstance(v, type)]
+        factory = factories[0] if factories else None
+        inner = getattr(factory, "__qualname__", "?")
+        if isinstance(factory, functools.partial):  # optax.nadam is partial(adam, nesterov=True)
+            bound = ", ".join(f"{k}={v!r}" for k, v in sorted(factory.keywords.items()))
+            inner = f"{getattr(factory.func, '__qualname__', '?')}({bound})"
+        out.append(f"{name}({inner})")
+        return
+    scalars = ", ".join(f"{k}={v!r}" for k, v in sorted(cells.items())
+                        if isinstance(v, (bool, int, float, str)))
+    out.append(f"{name}({scalars})")
+
+
+def transforms_of(tx: Any) -> list[str]:
+    """The optax transforms of `tx`, as `JaxOptimizer` records them (see `_describe`):
+    what tells Adam from AdaMax, Yogi, NAdam or RAdam, whose states are alike."""
+    out: list[str] = []
+    _describe(getattr(tx, "update", tx), out)
+    return out
+
+
 class JaxOptimizer:
     """An optax `GradientTransformation` and its state as an `Optimizer`. The record is
     the state pytree by key path (NamedTuple field names, chain indices), restored onto
-    the structure of the live `opt_state`."""
+    the structure of the live `opt_state`, and under `#transforms` the names of the optax
+    transforms (`transforms_of`), which conversion reads to know the algorithm and a
+    restore ignores (records without it load as before)."""
 
     kind = "optax.GradientTransformation"
 
@@ -242,15 +298,29 @@ class JaxOptimizer:
 
     def into_record(self, module: Any) -> StateRecord:
         leaves, _ = flatten(self.opt_state)
-        return StateRecord(self.kind, {k: _host(v) for k, v in leaves.items()})
+        if TRANSFORMS_KEY in leaves:
+            raise ValueError(f"an optax state leaf is named {TRANSFORMS_KEY!r}, which the record reserves")
+        item: dict[str, Item] = {k: _host(v) for k, v in leaves.items()}
+        item[TRANSFORMS_KEY] = list(transforms_of(self.tx))
+        return StateRecord(self.kind, item)
+
+    @staticmethod
+    def _leaves_of(record: Any) -> Any:
+        item = expect_kind(record, JaxOptimizer.kind, "optimizer")
+        if isinstance(item, dict) and TRANSFORMS_KEY in item:
+            names = item[TRANSFORMS_KEY]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
+            item = {k: v for k, v in item.items() if k != TRANSFORMS_KEY}
+        return item
 
     def check_record(self, record: Any, module: Any) -> None:
         leaves, _ = flatten(self.opt_state)
-        _check_tree(expect_kind(record, self.kind, "optimizer"), leaves, "optimizer")
+        _check_tree(self._leaves_of(record), leaves, "optimizer")
 
     def load_record(self, record: Any, module: Any, device: Any) -> None:
         leaves, treedef = flatten(self.opt_state)
-        recorded = _check_tree(expect_kind(record, self.kind, "optimizer"), leaves, "optimizer")
+        recorded = _check_tree(self._leaves_of(record), leaves, "optimizer")
         self.opt_state = _rebuild(leaves, treedef, recorded, device)
 
 
