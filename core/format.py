@@ -447,9 +447,11 @@ and returns how many are."""
 class _Parser:
     def __init__(
         self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False,
-        plain: bool = False,
+        plain: bool = False, owned: bool = False,
     ) -> None:
         self.buf = buf
+        self.owned = owned
+        """`buf` is the reader's own (see `read_document`): tensors are marked private."""
         self.mv = memoryview(buf).cast("B")
         self.end = len(self.mv)
         self.pos = 0
@@ -717,12 +719,14 @@ class _Parser:
         if self.eager or self.wait is not None:
             self.check_crc(spans, crc, key)  # now, piece by piece, while later bytes arrive
             verified = True
-        t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified))
+        t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified),
+                       private=self.owned)
         if saved is not dtype:  # stored in another dtype by precision settings (since 1.1)
             if not restorable(dtype, saved):
                 raise self.fail(f"a {saved.value} tensor is never stored as {dtype.value}", key)
             stored = t
-            t = TensorData(saved, stored.shape, lambda: restore_tensor(stored, saved).read())
+            t = TensorData(saved, stored.shape, lambda: restore_tensor(stored, saved).read(),
+                           private=self.owned)
         if self.eager:
             t.array  # noqa: B018 - materialize the (verified) view
         return t
@@ -787,7 +791,7 @@ class _Parser:
 
 def read_document(
     buf: Any, source: str, *, lazy: bool = False, limits: Limits | None = None,
-    wait: Waiter | None = None,
+    wait: Waiter | None = None, owned: bool = False,
 ) -> tuple[Header, Item]:
     """Parse a NamedMpk document held in `buf` (bytes, bytearray, numpy buffer or mmap).
 
@@ -795,9 +799,11 @@ def read_document(
     structure checksum; with `lazy=False` also every tensor checksum. Tensors view `buf`.
     With `wait`, `buf` is still being filled by another thread: the parser waits for the
     bytes it needs and checksums each tensor while later ones are read.
+    `owned=True`: `buf` is writable memory the caller allocated for this read alone and
+    will not touch again, so `TensorData.take` may hand its tensors out without copying.
     Raises `CorruptRecordError` (or `ChecksumError`) and `UnsupportedVersionError`.
     """
-    p = _Parser(buf, source, limits or Limits(), wait=wait, eager=not lazy)
+    p = _Parser(buf, source, limits or Limits(), wait=wait, eager=not lazy, owned=owned)
     header = _read_header(p)
     k = p.value("", 1)
     if k != "item":
