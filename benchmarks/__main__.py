@@ -481,8 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
     size = parse_size(a.size)
-    state = training_state(size)
-    nbytes = sum(t.numel() * 4 for t in state.values())
+    groups = set(a.rows.split(","))
+    if groups - set(GROUPS):
+        p.error(f"unknown rows {sorted(groups - set(GROUPS))}; choose from {','.join(GROUPS)}")
+    state = training_state(size) if groups & {"files", "lazy"} else {}  # the others build their own
+    nbytes = sum(t.numel() * 4 for t in state.values()) or size
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                "processor": platform.processor() or platform.machine()}
     try:
@@ -492,9 +495,6 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     print(f"state: {len(state)} tensors, {nbytes / 2**20:.0f} MiB; {machine}", flush=True)
-    groups = set(a.rows.split(","))
-    if groups - set(GROUPS):
-        p.error(f"unknown rows {sorted(groups - set(GROUPS))}; choose from {','.join(GROUPS)}")
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         tmp = Path(d)
         rows = save_load_rows(state, nbytes, tmp, a.repeats) if "files" in groups else []
