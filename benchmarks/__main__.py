@@ -12,7 +12,14 @@ pending gradients):
 - peak resident memory above the state during save and load (own subprocess each);
 - `GradientsAccumulator.accumulate` vs a hand-written `torch._foreach_add_`;
   `TrainingRecord.capture` vs `copy.deepcopy` of the state dicts;
-- on CUDA: the time `capture_async` blocks the training thread vs `capture`.
+- on CUDA: the time `capture_async` blocks the training thread vs `capture`;
+- `Recorder.load` of a `@trainrec.record` of 128 f32 arrays (half the state), 20 loads:
+  median and p95, against a raw `readinto` of the same file;
+- small saves (1, 2, 10 MB): NamedMpk `durable=False` vs `torch.save`;
+- background saves: the training thread's time per save and back-to-back throughput of
+  `CheckpointManager` vs capture alone and a synchronous save, orbax `AsyncCheckpointer`
+  and `CheckpointManager`, torch DCP `async_save` (one process).
+`--rows` picks groups of rows (e.g. `--rows manager,small`).
 Every row prints the median seconds, GB/s, and ratios to the raw limit and the best peer;
 the targets of the benchmark issue are checked at the end. Nothing here is a test.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import os
 import platform
@@ -36,10 +44,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.peers import PEERS, lazy_rows
 from benchmarks.state import parse_size, sizes, training_state
 
-SLOW = {"trainrec NamedMpkGzFileRecorder"}  # single repeat: gzip of random floats is slow
+SLOW = {"trainrec NamedMpkGzFileRecorder"}
+GROUPS = ("files", "lazy", "record-load", "small", "manager", "compute", "memory")  # single repeat: gzip of random floats is slow
 
 
 def _once(fn: Callable[[], Any]) -> float:
@@ -143,14 +154,25 @@ def compute_rows(size: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _device_rows(dev: str, size: int, repeats: int) -> list[dict[str, Any]]:
-    import torch
-
+@functools.cache
+def _state_type() -> Any:
+    """The caller state the benchmark's `TrainingRecord`s carry."""
     import trainrec
 
     @trainrec.record
     class State:
         micro: int
+
+    return State
+
+
+def _training(size: int, dev: str) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """A model of `size` / 4 bytes of f32 parameters on `dev`, AdamW after one step, and
+    a GradientsAccumulator holding pending gradients mid-window: (model, optimizer,
+    accumulator, the gradients it was given)."""
+    import torch
+
+    import trainrec
 
     model = torch.nn.Module()
     for i, n in enumerate(sizes(size)):
@@ -165,6 +187,16 @@ def _device_rows(dev: str, size: int, repeats: int) -> list[dict[str, Any]]:
     opt.zero_grad(set_to_none=True)
     acc: trainrec.GradientsAccumulator[Any] = trainrec.GradientsAccumulator()
     acc.accumulate(model, trainrec.GradientsParams(grads))
+    return model, opt, acc, grads
+
+
+def _device_rows(dev: str, size: int, repeats: int) -> list[dict[str, Any]]:
+    import torch
+
+    import trainrec
+
+    State = _state_type()  # noqa: N806 - a class
+    model, opt, acc, grads = _training(size, dev)
     pending = [g.clone() for g in grads.values()]
     incoming = list(grads.values())
 
@@ -221,6 +253,158 @@ def lazy(state: dict[str, Any], tmp: Path, repeats: int) -> list[dict[str, Any]]
     return rows
 
 
+def record_load_rows(size: int, tmp: Path, loads: int = 20) -> list[dict[str, Any]]:
+    """`Recorder.load` of a `@trainrec.record` of 128 f32 arrays (the eager path: one read
+    into the load's own buffer, the arrays views of it), `loads` times, alternating with a
+    raw `readinto` of the same file into a new buffer."""
+    import trainrec
+
+    @trainrec.record
+    class Arrays:
+        arrays: dict[str, np.ndarray]
+
+    rng = np.random.default_rng(0)
+    n = max(1, size // 128 // 4)
+    path = tmp / "record.mpk"
+    recorder = trainrec.NamedMpkFileRecorder()
+    recorder.record(Arrays({f"a{i}": rng.standard_normal(n, dtype=np.float32) for i in range(128)}), path)
+
+    def raw() -> Any:
+        buf = np.empty(path.stat().st_size, np.uint8)
+        with open(path, "rb") as f:
+            f.readinto(buf.data)
+        return buf
+
+    def ours() -> Any:
+        return recorder.load(path, None, Arrays)
+
+    ours(), raw()  # the page cache holds the file from here on, for both
+    times: dict[str, list[float]] = {"ours": [], "raw": []}
+    for _ in range(loads):
+        for name, fn in (("ours", ours), ("raw", raw)):
+            t0 = time.perf_counter()
+            fn()  # the result is dropped at once, as a loop that restores and moves on does
+            times[name].append(time.perf_counter() - t0)
+    _drop(path)
+    nbytes = 128 * n * 4
+    rows = []
+    for name, key in (("trainrec Recorder.load of a @record (128 arrays)", "ours"),
+                      ("raw readinto of the same file", "raw")):
+        t = times[key]
+        med, p95 = statistics.median(t), statistics.quantiles(t, n=20, method="inclusive")[-1]
+        rows.append({"name": name, "op": f"load record, {loads} loads", "seconds": med, "p95": p95,
+                     "gbps": nbytes / med / 1e9})
+    rows[0]["vs_peer"] = rows[1]["seconds"] / rows[0]["seconds"]
+    return rows
+
+
+SMALL_MB = (1, 2, 10)
+
+
+def small_save_rows(tmp: Path, repeats: int) -> list[dict[str, Any]]:
+    """Saves of 1, 2 and 10 MB states (~100 tensors each): trainrec's NamedMpk file with
+    `durable=False` (like torch.save: no fsync) against `torch.save`, alternating, one
+    after the other as a loop that checkpoints often does (no sync in between)."""
+    from benchmarks.peers import torch_pickle, trainrec_recorder
+
+    rows = []
+    for mb in SMALL_MB:
+        state = training_state(mb * 10**6)
+        ours, theirs = trainrec_recorder("nofsync")[0], torch_pickle()[0]
+        calls = {"ours": functools.partial(ours, state, tmp / "small.mpk"),
+                 "torch": functools.partial(theirs, state, tmp / "small.pt")}
+        times: dict[str, list[float]] = {"ours": [], "torch": []}
+        for i in range(3 + max(repeats, 30)):
+            for key, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                if i >= 3:  # after three untimed saves each
+                    times[key].append(time.perf_counter() - t0)
+        t_ours, t_torch = statistics.median(times["ours"]), statistics.median(times["torch"])
+        rows += [{"name": f"trainrec NamedMpk durable=False, {mb} MB", "op": "small save", "seconds": t_ours,
+                  "vs_peer": t_torch / t_ours, "mb": mb},
+                 {"name": f"torch.save, {mb} MB", "op": "small save", "seconds": t_torch, "mb": mb}]
+    for p in tmp.glob("small.*"):
+        _drop(p)
+    return rows
+
+
+def manager_rows(size: int, tmp: Path, repeats: int) -> list[dict[str, Any]]:
+    """The training thread's time per background save and back-to-back saves' throughput:
+    `CheckpointManager` against orbax's `AsyncCheckpointer` and `CheckpointManager` and
+    torch DCP's `async_save`, on one CPU state (parameters, AdamW moments, pending
+    gradients). Between the saves of the blocked-time rows the training thread sleeps
+    1.5x a synchronous save (a loop bound by its accelerator leaves the CPUs to the
+    writer), and each save follows a `capture` alone, timed, to which it is compared; the
+    back-to-back rows save `n` times without pause, then wait."""
+    import trainrec
+    from benchmarks import peers
+
+    model, opt, acc, grads = _training(size, "cpu")
+    state = _state_type()(1)
+    n = max(repeats, 5)
+    recorder = trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings())  # the manager's
+
+    def capture() -> Any:
+        return trainrec.TrainingRecord.capture(model, opt, None, acc, state)
+
+    t_cap = timed(capture, n)
+    t_sync = timed(lambda: capture().save(recorder, tmp / "sync.mpk"), n)
+    _drop(tmp / "sync.mpk")
+    tensors = peers.flat_tensors(model, opt, list(grads.values()))
+    makers: dict[str, Callable[[Path], peers.Async]] = {
+        "trainrec CheckpointManager": lambda d: peers.trainrec_manager(model, opt, acc, state, d),
+        "orbax AsyncCheckpointer": lambda d: peers.orbax_async(tensors, d),
+        "orbax CheckpointManager (async)": lambda d: peers.orbax_manager(tensors, d),
+        "torch DCP async_save (1 process)": lambda d: peers.torch_dcp_async(tensors, d),
+    }
+    rows: list[dict[str, Any]] = [
+        {"name": "TrainingRecord.capture alone", "op": "blocked per save", "seconds": t_cap},
+        {"name": "capture + save, on the training thread", "op": "back-to-back save", "seconds": t_sync}]
+    for i, (name, make) in enumerate(makers.items()):
+        d = tmp / f"async-{i}"
+        d.mkdir()
+        try:
+            save, wait, close = make(d)
+            try:
+                save(0)  # untimed: a peer's first save sets itself up
+                wait()
+                blocked, alone = [], []
+                for step in range(1, n + 1):
+                    os.sync()
+                    # capture alone, then the save, back to back: both meet the same
+                    # machine (the previous save finished during the sleep)
+                    t0 = time.perf_counter()
+                    capture()
+                    t1 = time.perf_counter()
+                    save(step)
+                    blocked.append(time.perf_counter() - t1)
+                    alone.append(t1 - t0)
+                    time.sleep(1.5 * t_sync)
+                wait()
+                os.sync()
+                t0 = time.perf_counter()
+                for step in range(n + 1, 2 * n + 1):
+                    save(step)
+                wait()
+                per_save = (time.perf_counter() - t0) / n
+            finally:
+                close()
+        except ImportError as e:
+            rows.append({"name": name, "op": "blocked per save", "skipped": f"not installed ({e.name})"})
+            continue
+        except Exception as e:  # a peer that breaks is reported, not fatal
+            rows.append({"name": name, "op": "blocked per save", "skipped": f"{type(e).__name__}: {e}"})
+            continue
+        finally:
+            _drop(d)
+        t_blocked = statistics.median(blocked)
+        rows += [{"name": name, "op": "blocked per save", "seconds": t_blocked,
+                  "vs_capture": t_blocked / statistics.median(alone)},
+                 {"name": name, "op": "back-to-back save", "seconds": per_save, "vs_sync": t_sync / per_save}]
+    return rows
+
+
 def ratios(rows: list[dict[str, Any]]) -> None:
     for op in ("save", "load"):
         live = [r for r in rows if r["op"] == op and "seconds" in r]
@@ -265,6 +449,27 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
     acc = row("trainrec accumulate (cpu)", "accumulate")
     if acc:
         out.append(("accumulate <= 1.2x _foreach_add_", 1 / acc["vs_peer"] <= 1.2, f"{1 / acc['vs_peer']:.2f}x"))
+    rec = next((r for r in rows if r["name"].startswith("trainrec Recorder.load of a @record")
+                and "seconds" in r), None)
+    raw_rec = row("raw readinto of the same file", rec["op"]) if rec else None
+    if rec and raw_rec:
+        spread = rec["p95"] / rec["seconds"]
+        out.append(("Recorder.load of a record: p95 of 20 loads <= 1.5x their median", spread <= 1.5,
+                    f"{spread:.2f}x (median {rec['seconds']:.3f} s, {rec['vs_peer']:.2f}x raw readinto; "
+                    f"raw readinto's own p95 {raw_rec['p95'] / raw_rec['seconds']:.2f}x its median)"))
+    small = [r for r in rows if r["op"] == "small save" and "vs_peer" in r]
+    if small:
+        out.append(("small saves (durable=False) <= torch.save at 1, 2, 10 MB",
+                    all(r["vs_peer"] >= 1 for r in small),
+                    ", ".join(f"{r['mb']} MB {1 / r['vs_peer']:.2f}x" for r in small)))
+    mgr_b = row("trainrec CheckpointManager", "blocked per save")
+    if mgr_b:
+        out.append(("training thread blocked per CheckpointManager.save <= 1.2x capture",
+                    mgr_b["vs_capture"] <= 1.2, f"{mgr_b['vs_capture']:.2f}x"))
+    mgr_t = row("trainrec CheckpointManager", "back-to-back save")
+    if mgr_t:
+        out.append(("back-to-back CheckpointManager saves >= 0.8x synchronous throughput",
+                    mgr_t["vs_sync"] >= 0.8, f"{mgr_t['vs_sync']:.2f}x"))
     cap = row("TrainingRecord.capture (cpu)", "capture")
     if cap:
         out.append(("capture <= 1.2x deepcopy", 1 / cap["vs_peer"] <= 1.2, f"{1 / cap['vs_peer']:.2f}x"))
@@ -280,11 +485,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench-results/results.json")
     p.add_argument("--png", default="bench-results/results.png")
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--rows", default=",".join(GROUPS),
+                   help=f"which rows, comma-separated (default all: {','.join(GROUPS)})")
     a = p.parse_args(argv)
     warnings.simplefilter("ignore")
     size = parse_size(a.size)
-    state = training_state(size)
-    nbytes = sum(t.numel() * 4 for t in state.values())
+    groups = set(a.rows.split(","))
+    if groups - set(GROUPS):
+        p.error(f"unknown rows {sorted(groups - set(GROUPS))}; choose from {','.join(GROUPS)}")
+    state = training_state(size) if groups & {"files", "lazy"} else {}  # the others build their own
+    nbytes = sum(t.numel() * 4 for t in state.values()) or size
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                "processor": platform.processor() or platform.machine()}
     try:
@@ -296,11 +506,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"state: {len(state)} tensors, {nbytes / 2**20:.0f} MiB; {machine}", flush=True)
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
         tmp = Path(d)
-        rows = save_load_rows(state, nbytes, tmp, a.repeats)
-        rows += lazy(state, tmp, a.repeats)
+        rows = save_load_rows(state, nbytes, tmp, a.repeats) if "files" in groups else []
+        rows += lazy(state, tmp, a.repeats) if "lazy" in groups else []
         del state
-        rows += compute_rows(size, a.repeats)
-        if not a.skip_memory:
+        rows += record_load_rows(size // 2, tmp) if "record-load" in groups else []
+        rows += small_save_rows(tmp, a.repeats) if "small" in groups else []
+        rows += manager_rows(size, tmp, a.repeats) if "manager" in groups else []
+        rows += compute_rows(size, a.repeats) if "compute" in groups else []
+        if not a.skip_memory and "memory" in groups:
             rows += memory_rows(size, tmp)
     ratios(rows)
     print(f"\n{'row':44} {'op':28} {'seconds':>9} {'GB/s':>6} {'vs raw':>7} {'vs best peer':>12}")
@@ -315,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
             vr = f"{r['vs_raw']:6.2f}x" if r.get("vs_raw") else ""
             vp = f"{r['vs_best_peer']:6.2f}x" if r.get("vs_best_peer") else (
                 f"{r['vs_peer']:6.2f}x" if r.get("vs_peer") else "")
+            for k, label in (("vs_capture", "x capture"), ("vs_sync", "x sync")):
+                vp += f"{r[k]:6.2f}{label}" if r.get(k) else ""
+            vp += f"  p95 {r['p95']:.4f}" if r.get("p95") else ""
             print(f"{r['name']:44} {r['op']:28} {r['seconds']:9.4f} {gb} {vr:>7} {vp:>12}")
     checks = targets(rows)
     print("\ntargets:")

@@ -190,3 +190,91 @@ def lazy_rows(state: State, tmp: Path) -> dict[str, Callable[[], None]]:
         pass
     return rows
 
+
+
+# -- background saves: save(step) returns when the training thread may go on ---------------
+
+Async = tuple[Callable[[int], None], Callable[[], None], Callable[[], None]]
+"""save(step): start saving the live state as `step`; wait(): until it is written;
+close(): release what the peer holds."""
+
+
+def trainrec_manager(model: Any, opt: Any, acc: Any, state: Any, tmp: Path) -> Async:
+    """`TrainingRecord.capture` (host copies, on the training thread), then
+    `CheckpointManager.save` (written on its thread; default recorder, durable)."""
+    import trainrec
+
+    mgr = trainrec.CheckpointManager(tmp, keep_last=2)
+
+    def save(step: int) -> None:
+        mgr.save(step, trainrec.TrainingRecord.capture(model, opt, None, acc, state))
+
+    return save, mgr.wait, mgr.wait
+
+
+def flat_tensors(model: Any, opt: Any, pending: list[Any]) -> State:
+    """Every tensor a `TrainingRecord` of `model`, `opt` and the `pending` gradients
+    holds, live, under flat names: what the peers below are given."""
+    out: State = {f"model.{k}": p.detach() for k, p in model.named_parameters()}
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            out[f"optim.{i}.{k}"] = v
+    for i, g in enumerate(pending):
+        out[f"grads.{i}"] = g
+    return out
+
+
+def orbax_async(tensors: State, tmp: Path) -> Async:
+    """orbax `AsyncCheckpointer(StandardCheckpointHandler())` of numpy views of the live
+    tensors, one directory per step."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+    arrays = {k: t.numpy() for k, t in tensors.items()}
+
+    def save(step: int) -> None:
+        ckpt.wait_until_finished()  # one in flight, as the others
+        _keep_two(tmp, step)
+        ckpt.save((tmp / f"step-{step}").absolute(), args=ocp.args.StandardSave(arrays))
+
+    return save, ckpt.wait_until_finished, ckpt.close
+
+
+def orbax_manager(tensors: State, tmp: Path) -> Async:
+    """orbax `CheckpointManager(max_to_keep=2, enable_async_checkpointing=True)`."""
+    import orbax.checkpoint as ocp
+
+    mgr = ocp.CheckpointManager(tmp.absolute(), options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, enable_async_checkpointing=True))
+    arrays = {k: t.numpy() for k, t in tensors.items()}
+
+    def save(step: int) -> None:
+        mgr.save(step, args=ocp.args.StandardSave(arrays))
+
+    return save, mgr.wait_until_finished, mgr.close
+
+
+def torch_dcp_async(tensors: State, tmp: Path) -> Async:
+    """`torch.distributed.checkpoint.async_save`, one process, no process group: it
+    stages a CPU copy on the calling thread and writes on its own."""
+    import torch.distributed.checkpoint as dcp
+
+    pending: list[Any] = []
+
+    def wait() -> None:
+        while pending:
+            pending.pop().result()
+
+    def save(step: int) -> None:
+        wait()  # one in flight, as the others
+        _keep_two(tmp, step)
+        pending.append(dcp.async_save(tensors, checkpoint_id=str(tmp / f"step-{step}")))
+
+    return save, wait, wait
+
+
+def _keep_two(tmp: Path, step: int) -> None:
+    """Delete the step before the last, as the managers' retention of two does."""
+    import shutil
+
+    shutil.rmtree(tmp / f"step-{step - 2}", ignore_errors=True)

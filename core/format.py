@@ -155,20 +155,42 @@ class _Writer:
         self._packer = msgpack.Packer(use_bin_type=True, autoreset=True)
         self._dry = dry
         self.pos = 0
-        self.crc = 0
+        self._crc = 0
+        self._pending = bytearray()
+        """Structure bytes not yet written: written (and checksummed) in one call before
+        the next payload, so a tensor's dozen small values cost one write, not twelve."""
         self.cost = 0
         """What the reader will charge to its object budget for the values written so far."""
-        self._strs: set[bytes] = set()
+        self._strs: set[str] = set()
+
+    @property
+    def crc(self) -> int:
+        """The running checksum of the structure bytes written so far."""
+        self.flush()
+        return self._crc
+
+    @crc.setter
+    def crc(self, value: int) -> None:
+        self.flush()
+        self._crc = value
+
+    def flush(self) -> None:
+        """Write the pending structure bytes."""
+        if self._pending:
+            if not self._dry:  # a dry run counts bytes only; its checksums are never used
+                self._out.write(self._pending)
+                self._crc = crc32(self._pending, self._crc)
+            self._pending = bytearray()  # a new one: `out` may still hold a view of the old
 
     def charge(self, v: object) -> None:
         """Add the object-budget cost the reader charges for plain value `v`."""
         if isinstance(v, str):
-            raw = v.encode("utf-8")
-            if len(raw) <= _SHARED_STR_BYTES:
-                if raw in self._strs:
-                    return
-                self._strs.add(raw)
-            self.cost += _str_cost(len(raw))
+            if v in self._strs:
+                return
+            n = len(v) if v.isascii() else len(v.encode("utf-8"))
+            if n <= _SHARED_STR_BYTES:
+                self._strs.add(v)
+            self.cost += _str_cost(n)
         elif isinstance(v, bool) or v is None:
             return
         elif isinstance(v, int):
@@ -189,12 +211,12 @@ class _Writer:
 
     def raw(self, data: bytes) -> None:
         """Structure bytes: counted into the running structure checksum."""
-        self._out.write(data)
+        self._pending += data
         self.pos += len(data)
-        self.crc = crc32(data, self.crc)
 
     def value(self, v: object) -> None:
-        self.raw(self._packer.pack(v))
+        packed = _PACKED.get(v) if v.__class__ is str else None
+        self.raw(packed or self._packer.pack(v))
         self.charge(v)
 
     def checksum(self, crc: int) -> None:
@@ -229,38 +251,43 @@ class _Writer:
         saved: DType | None = None,
     ) -> None:
         n = math.prod(shape) * dtype.itemsize if flat is None else flat.nbytes
-        self.raw(self._packer.pack_map_header(5 if saved is None else 6))
-        self.value(TENSOR_KEY)
-        self.value(dtype.value)
+        # the map's fields up to its payload, packed and charged as `value` would, one
+        # by one, but in one piece: small checkpoints are mostly this per-tensor work
+        dims = list(shape)
+        head = [_MAP_HEADER[saved is None], _PACKED[TENSOR_KEY], _PACKED[dtype.value]]
+        names = [TENSOR_KEY, dtype.value, "shape", "pad", "data"]
         if saved is not None:
-            self.value("dtype")
-            self.value(saved.value)
-        self.value("shape")
-        self.value(list(shape))
+            head += [_PACKED["dtype"], _PACKED[saved.value]]
+            names += ["dtype", saved.value]
+        head += [_PACKED["shape"], self._packer.pack(dims), _PACKED["pad"]]
+        for name in names:
+            if name not in self._strs:
+                self.charge(name)
+        self.charge(dims)
         chunks = [(i, min(n, i + CHUNK_BYTES)) for i in range(0, n, CHUNK_BYTES)] or [(0, 0)]
-        tail = self._packer.pack("data")
+        tail = _PACKED["data"]
         if n > CHUNK_BYTES:
             tail += self._packer.pack_array_header(len(chunks))
         tail += _bin32_header(chunks[0][1] - chunks[0][0])
-        pad_len = (-(self.pos + 4 + 2 + len(tail))) % ALIGNMENT
+        start = b"".join(head)
+        pad_len = (-(self.pos + len(start) + 2 + len(tail))) % ALIGNMENT
         self.cost += _dict_cost(5 if saved is None else 6) + _tensor_cost(len(shape))
         self.cost += _bytes_cost(ALIGNMENT - 1 if self._dry else pad_len)
         self.cost += _list_cost(len(chunks)) if n > CHUNK_BYTES else 0
-        self.charge("data")
-        self.value("pad")
-        self.raw(b"\xc4" + bytes([pad_len]) + bytes(pad_len))
-        self.raw(tail)
+        self.raw(start + _PAD[pad_len] + tail)
         if flat is None:
             self.pos += n + 5 * (len(chunks) - 1)
             self.value("crc")
             self.checksum(0)
             return
         views = [flat[a:b].data for a, b in chunks]
+        self.flush()
         # the checksum runs on a worker thread while this one writes (both release the GIL)
         pending = _crc_pool().submit(_crc_all, views) if n >= _PARALLEL_CRC_BYTES else None
         for i, view in enumerate(views):
             if i:
                 self.raw(_bin32_header(view.nbytes))
+                self.flush()
             self._out.write(view)
             self.pos += view.nbytes
         crc = pending.result() if pending is not None else _crc_all(views)
@@ -269,6 +296,13 @@ class _Writer:
 
 
 _LONGEST_CRC = 0xFFFFFFFF
+_PACKED = {k: msgpack.packb(k) for k in (TENSOR_KEY, "dtype", "shape", "pad", "data", "crc",
+                                         *(d.value for d in DType))}
+"""The strings every tensor map holds, packed once."""
+_MAP_HEADER = {True: b"\x85", False: b"\x86"}
+"""A tensor map's header: 5 fields, or 6 with the saved dtype (`saved is None` -> 5)."""
+_PAD = [b"\xc4" + bytes([n]) + bytes(n) for n in range(ALIGNMENT)]
+"""The `pad` bin of each length."""
 
 
 class _Counter:
@@ -362,6 +396,7 @@ def _write(
     item_crc = w.crc
     w.value("item_crc")
     w.checksum(item_crc)
+    w.flush()
     budget = Limits().object_budget(w.pos)
     if w.cost > budget:
         raise CorruptRecordError(
@@ -447,9 +482,11 @@ and returns how many are."""
 class _Parser:
     def __init__(
         self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False,
-        plain: bool = False,
+        plain: bool = False, owned: bool = False,
     ) -> None:
         self.buf = buf
+        self.owned = owned
+        """`buf` is the reader's own (see `read_document`): tensors are marked private."""
         self.mv = memoryview(buf).cast("B")
         self.end = len(self.mv)
         self.pos = 0
@@ -717,12 +754,14 @@ class _Parser:
         if self.eager or self.wait is not None:
             self.check_crc(spans, crc, key)  # now, piece by piece, while later bytes arrive
             verified = True
-        t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified))
+        t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified),
+                       private=self.owned)
         if saved is not dtype:  # stored in another dtype by precision settings (since 1.1)
             if not restorable(dtype, saved):
                 raise self.fail(f"a {saved.value} tensor is never stored as {dtype.value}", key)
             stored = t
-            t = TensorData(saved, stored.shape, lambda: restore_tensor(stored, saved).read())
+            t = TensorData(saved, stored.shape, lambda: restore_tensor(stored, saved).read(),
+                           private=self.owned)
         if self.eager:
             t.array  # noqa: B018 - materialize the (verified) view
         return t
@@ -787,7 +826,7 @@ class _Parser:
 
 def read_document(
     buf: Any, source: str, *, lazy: bool = False, limits: Limits | None = None,
-    wait: Waiter | None = None,
+    wait: Waiter | None = None, owned: bool = False,
 ) -> tuple[Header, Item]:
     """Parse a NamedMpk document held in `buf` (bytes, bytearray, numpy buffer or mmap).
 
@@ -795,9 +834,11 @@ def read_document(
     structure checksum; with `lazy=False` also every tensor checksum. Tensors view `buf`.
     With `wait`, `buf` is still being filled by another thread: the parser waits for the
     bytes it needs and checksums each tensor while later ones are read.
+    `owned=True`: `buf` is writable memory the caller allocated for this read alone and
+    will not touch again, so `TensorData.take` may hand its tensors out without copying.
     Raises `CorruptRecordError` (or `ChecksumError`) and `UnsupportedVersionError`.
     """
-    p = _Parser(buf, source, limits or Limits(), wait=wait, eager=not lazy)
+    p = _Parser(buf, source, limits or Limits(), wait=wait, eager=not lazy, owned=owned)
     header = _read_header(p)
     k = p.value("", 1)
     if k != "item":

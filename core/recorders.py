@@ -31,6 +31,7 @@ from .items import Item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
 from .sniff import HEAD_BYTES, kind_of, reader_of
+from .tensor import handing_out
 
 __all__ = [
     "RecorderBase",
@@ -79,7 +80,12 @@ class RecorderBase:
                               allow_lossy=allow_lossy)
 
     def load(self, args: Any, device: Any, record_type: type[Any], **kw: Any) -> Any:
-        """Read a payload written from a `record_type` and rebuild it on `device`."""
+        """Read a payload written from a `record_type` and rebuild it on `device`.
+
+        Arrays of a `@record` are handed out without a second copy where the recorder
+        read the file into a buffer of its own: they are writable views of that buffer
+        (each its own region; no two loads share one), which stays allocated while any
+        of them lives."""
         header, item = self.read(args, **kw)
         expected = record_name(record_type)
         if header.record_type != expected:
@@ -87,7 +93,8 @@ class RecorderBase:
                 f"payload holds a {header.record_type}, not a {expected}",
                 source=self._source(args),
             )
-        return record_type.from_item(item, device)
+        with handing_out():  # `item` is this call's alone and dropped after it
+            return record_type.from_item(item, device)
 
     def load_item(self, args: Any, **kw: Any) -> Item:
         return self.read(args, **kw)[1]
@@ -154,10 +161,10 @@ class NamedMpkFileRecorder(RecorderBase):
                 buf = _aligned_buffer(size, source)
                 if size < _BACKGROUND_READ_BYTES:
                     _read_exactly(f, buf, source)
-                    return read_document(buf, source)
+                    return read_document(buf, source, owned=True)
                 reader = _BackgroundRead(f, buf, source)
                 try:
-                    return read_document(buf, source, wait=reader.wait)
+                    return read_document(buf, source, wait=reader.wait, owned=True)
                 finally:
                     reader.close()
         except FileNotFoundError as e:
@@ -224,7 +231,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
             raise FileMissingError("no such checkpoint", source=source) from e
         except OSError as e:
             raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
-        return read_document(buf, source, lazy=mmap)
+        return read_document(buf, source, lazy=mmap, owned=True)
 
 
 class NamedMpkBytesRecorder(RecorderBase):

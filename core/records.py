@@ -164,10 +164,10 @@ def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
                 raise RecordMismatchError(
                     f"cannot rebuild onto device {device!r} ({backend.name}): {e}", key=key
                 ) from e
-            return backend.from_host(np.array(t.array), dev)
+            return backend.from_host(t.take(), dev)
     if isinstance(tp, type) and issubclass(tp, np.generic) or (tp is Any and t.shape == ()):
         return t.array[()]
-    return np.array(t.array)
+    return t.take()
 
 
 _DC = TypeVar("_DC", bound=type)

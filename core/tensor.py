@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -22,13 +24,18 @@ class TensorData:
     time `array` is touched; `dtype`, `shape` and `nbytes` never touch the bytes.
     """
 
-    __slots__ = ("_array", "_dtype", "_loader", "_shape")
+    __slots__ = ("_array", "_dtype", "_loader", "_private", "_shape")
 
-    def __init__(self, dtype: DType, shape: tuple[int, ...], loader: _Loader) -> None:
+    def __init__(
+        self, dtype: DType, shape: tuple[int, ...], loader: _Loader, *, private: bool = False
+    ) -> None:
+        """`private`: the loader's array is memory no one else holds (a region of a read
+        buffer a load allocated for itself), so `take` may hand it out without copying."""
         self._dtype = dtype
         self._shape = shape
         self._loader: _Loader | None = loader
         self._array: np.ndarray[Any, Any] | None = None
+        self._private = private
 
     @classmethod
     def from_array(cls, array: Any, *, copy: bool = True) -> TensorData:
@@ -60,6 +67,7 @@ class TensorData:
     def _ready(cls, dtype: DType, shape: tuple[int, ...], arr: np.ndarray[Any, Any]) -> TensorData:
         td = cls.__new__(cls)
         td._dtype, td._shape, td._loader, td._array = dtype, shape, None, arr
+        td._private = False
         return td
 
     @property
@@ -104,6 +112,19 @@ class TensorData:
         arr.flags.writeable = False
         return arr
 
+    def take(self) -> np.ndarray[Any, Any]:
+        """The values as a writable array that aliases nothing else: a copy, except while
+        `handing_out()` is active (a `Recorder.load` rebuilding the item it has just read
+        and will drop), where a tensor read into the load's own buffer hands out its
+        loaded array itself, once, without copying (may raise `ChecksumError`)."""
+        arr = self.array
+        if self._private and _HANDING_OUT.get():
+            self._private = False  # a second take (the same tensor twice in a tree) copies
+            out = arr.view()
+            out.flags.writeable = True  # the buffer under it is writable and this load's own
+            return out
+        return np.array(arr, order="C")
+
     def to_bytes(self) -> bytes:
         """The little-endian C-order bytes."""
         return self.array.tobytes()
@@ -126,6 +147,20 @@ class TensorData:
 
     def __repr__(self) -> str:
         return f"TensorData({self._dtype.value}, shape={self._shape})"
+
+
+_HANDING_OUT: ContextVar[bool] = ContextVar("trainrec_handing_out", default=False)
+
+
+@contextmanager
+def handing_out() -> Iterator[None]:
+    """While active, `TensorData.take` hands out privately loaded arrays without copying:
+    only for code that rebuilds an item no one else will read again."""
+    token = _HANDING_OUT.set(True)
+    try:
+        yield
+    finally:
+        _HANDING_OUT.reset(token)
 
 
 def _count(shape: tuple[int, ...]) -> int:
