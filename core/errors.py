@@ -6,9 +6,12 @@ problem sits, so a user can tell which checkpoint and which tensor is at fault.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+from collections.abc import Iterator
 
 __all__ = [
+    "reading",
     "RecorderError",
     "FileMissingError",
     "CorruptRecordError",
@@ -74,3 +77,18 @@ class LossyPrecisionError(RecorderError):
     def __init__(self, message: str, *, source: str = "", key: str = "") -> None:
         self.reason = message
         super().__init__(message, source=source, key=key)
+
+
+@contextlib.contextmanager
+def reading(source: str) -> Iterator[None]:
+    """Reading a checkpoint file: a missing path or a directory becomes `FileMissingError`,
+    any other `OSError` a `RecorderError`, each naming `source`. Every file recorder
+    reads inside it, so they all fail the same way."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise FileMissingError("no such checkpoint", source=source) from e
+    except IsADirectoryError as e:
+        raise FileMissingError("checkpoint path is a directory", source=source) from e
+    except OSError as e:
+        raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e

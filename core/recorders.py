@@ -18,7 +18,12 @@ from typing import Any
 import numpy as np
 
 from .envelope import path_arg
-from .errors import CorruptRecordError, FileMissingError, RecorderError, RecordMismatchError
+from .errors import (
+    CorruptRecordError,
+    RecorderError,
+    RecordMismatchError,
+    reading,
+)
 from .format import (
     ALIGNMENT,
     Header,
@@ -149,7 +154,7 @@ class NamedMpkFileRecorder(RecorderBase):
     def read(self, args: Any, *, mmap: bool = False, verify: bool = False) -> tuple[Header, Item]:
         path = path_arg(args)
         source = str(path)
-        try:
+        with reading(source):
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
@@ -167,12 +172,6 @@ class NamedMpkFileRecorder(RecorderBase):
                     return read_document(buf, source, wait=reader.wait, owned=True)
                 finally:
                     reader.close()
-        except FileNotFoundError as e:
-            raise FileMissingError("no such checkpoint", source=source) from e
-        except IsADirectoryError as e:
-            raise FileMissingError("checkpoint path is a directory", source=source) from e
-        except OSError as e:
-            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
 
 
 class NamedMpkGzFileRecorder(RecorderBase):
@@ -214,7 +213,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         path = path_arg(args)
         source = str(path)
-        try:
+        with reading(source):
             with open(path, "rb") as f:
                 head = f.read(2)
                 if head != b"\x1f\x8b":
@@ -227,10 +226,6 @@ class NamedMpkGzFileRecorder(RecorderBase):
                 if limit is None:
                     limit = _GZ_BYTES + _GZ_RATIO * os.fstat(f.fileno()).st_size
                 buf = _gunzip(f, limit, source)
-        except FileNotFoundError as e:
-            raise FileMissingError("no such checkpoint", source=source) from e
-        except OSError as e:
-            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
         return read_document(buf, source, lazy=mmap, owned=True)
 
 
@@ -296,15 +291,9 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
 
 def _head(path: Path) -> bytes:
     """The first bytes of a checkpoint file (for `sniff.kind_of`)."""
-    try:
+    with reading(str(path)):
         with open(path, "rb") as f:
             return f.read(HEAD_BYTES)
-    except FileNotFoundError as e:
-        raise FileMissingError("no such checkpoint", source=str(path)) from e
-    except IsADirectoryError as e:
-        raise FileMissingError("checkpoint path is a directory", source=str(path)) from e
-    except OSError as e:
-        raise RecorderError(f"cannot read checkpoint: {e}", source=str(path)) from e
 
 
 def _adapter_recorder(module: str, name: str, path: Path) -> RecorderBase:

@@ -216,3 +216,18 @@ def test_read_file_still_reads_a_plain_flax_dict_whatever_its_first_key(tmp_path
     path.write_bytes(msgpack.packb({"format": "mine", "step": 3}))
     header, item = trainrec.read_file(path)
     assert header.format == "flax.msgpack" and item == {"format": "mine", "step": 3}
+
+
+@pytest.mark.parametrize("kind", ["mpk", "gz", "torch", "flax"])
+def test_every_file_recorder_says_a_missing_path_or_a_directory_is_missing(kind, tmp_path):
+    """One translation of read errors (`trainrec.errors.reading`) for every file recorder."""
+    if kind == "torch":
+        recorder = pytest.importorskip("trainrec.adapters.torch").TorchFileRecorder()
+    elif kind == "flax":
+        recorder = pytest.importorskip("trainrec.adapters.jax").FlaxMsgpackFileRecorder()
+    else:
+        recorder = {"mpk": trainrec.NamedMpkFileRecorder(), "gz": trainrec.NamedMpkGzFileRecorder()}[kind]
+    for path in (tmp_path / "nope", tmp_path):
+        with pytest.raises(trainrec.FileMissingError) as e:
+            recorder.load_item(path)
+        assert e.value.source == str(path) and isinstance(e.value, FileNotFoundError)

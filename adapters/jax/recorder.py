@@ -29,7 +29,6 @@ import numpy as np
 from trainrec import (
     CorruptRecordError,
     DType,
-    FileMissingError,
     Header,
     NativePrecisionSettings,
     RecorderError,
@@ -49,6 +48,7 @@ from trainrec.envelope import (
     restore_dtypes,
     verify_checksums,
 )
+from trainrec.errors import reading
 from trainrec.format import Ext, Limits, check_limits, decode_msgpack
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import store_tensor
@@ -159,7 +159,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
         reading it into memory. The structure is checked before the file is read."""
         path = path_arg(args)
         source = str(path)
-        try:
+        with reading(source):
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 _check_start(os.pread(f.fileno(), max(64, HEAD_BYTES), 0), source)
@@ -179,12 +179,6 @@ class FlaxMsgpackFileRecorder(RecorderBase):
                         got += n
                     if got != size or f.read(1):
                         raise CorruptRecordError("file changed size while reading", source=source)
-        except FileNotFoundError as e:
-            raise FileMissingError("no such checkpoint", source=source) from e
-        except IsADirectoryError as e:
-            raise FileMissingError("checkpoint path is a directory", source=source) from e
-        except OSError as e:
-            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
         return parse(data, source)
 
 

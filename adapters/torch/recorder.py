@@ -27,7 +27,6 @@ import torch
 from trainrec import (
     CorruptRecordError,
     DType,
-    FileMissingError,
     Header,
     Precision,
     RecorderError,
@@ -47,6 +46,7 @@ from trainrec.envelope import (
     restore_dtypes,
     verify_checksums,
 )
+from trainrec.errors import reading
 from trainrec.format import check_limits
 from trainrec.items import Item, check_item, join_key
 from trainrec.precision import store_tensor
@@ -150,7 +150,7 @@ class TorchFileRecorder(RecorderBase):
             )
         path = path_arg(args)
         source = str(path)
-        try:
+        with reading(source):
             with open(path, "rb") as f:
                 head = f.read(HEAD_BYTES)
                 if kind_of(head) != "torch":
@@ -160,12 +160,6 @@ class TorchFileRecorder(RecorderBase):
                 size = os.fstat(f.fileno()).st_size
                 verified = _check_file_crc(f, size, source)
                 pickle_bytes = _check_zip(f, size, source)
-        except FileNotFoundError as e:
-            raise FileMissingError("no such checkpoint", source=source) from e
-        except IsADirectoryError as e:
-            raise FileMissingError("checkpoint path is a directory", source=source) from e
-        except OSError as e:
-            raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
         try:
             doc = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as e:  # torch raises many types for a bad file; all mean "corrupt"
