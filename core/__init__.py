@@ -9,6 +9,7 @@ Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 
 from ._version import __version__
 from .accumulator import GradientsAccumulator
+from .array_api import ArrayApiAdapter, ArrayApiBackend
 from .dtypes import DType, FloatDType
 from .errors import (
     ChecksumError,
@@ -60,6 +61,8 @@ from .training import RestoredTraining, TrainingRecord
 __all__ = [
     "__version__",
     "Adapter",
+    "ArrayApiAdapter",
+    "ArrayApiBackend",
     "AutodiffBackend",
     "AutodiffModule",
     "Backend",

@@ -11,13 +11,12 @@ import numpy as np
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
 from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
 
+from .adapter import BACKEND as _B
 from .adapter import StrictBackend
-
-_B = StrictBackend()
 
 
 def _td(a: Any) -> TensorData:
-    return TensorData.from_array(_B.to_host(a), copy=False)
+    return _B.to_tensor_data(a)
 
 
 class Linear:
@@ -58,7 +57,7 @@ class Linear:
         self._checked(record)
 
     def load_record(self, record: Any, device: Any) -> None:
-        staged = {k: _B.from_host(t.array.astype(np.float32), device) for k, t in self._checked(record).items()}
+        staged = {k: _B.from_tensor_data(t, device, DType.F32) for k, t in self._checked(record).items()}
         self.params = staged  # arrays are values: assigning is restoring
 
 
@@ -98,7 +97,7 @@ class SGD:
 
     def load_record(self, record: Any, module: Any, device: Any) -> None:
         item = self._checked(record, module)
-        self.buffers = {k: _B.from_host(t.array, device) for k, t in item["buffers"].items()}
+        self.buffers = {k: _B.from_tensor_data(t, device) for k, t in item["buffers"].items()}
         self.momentum = float(item["momentum"])
 
 
