@@ -16,8 +16,10 @@ What the standard gives, this module uses, and nothing else:
   `__array_namespace_info__().dtypes(device=...)` deciding which a device has, plus
   `float16` / `bfloat16` where the namespace names them (or the adapter passes them);
 - host transfer: `numpy.from_dlpack` (or `numpy.asarray`) to read back, the namespace's
-  `asarray(..., device=, copy=True)` (or `from_dlpack`) to upload. A library that cannot
-  exchange f16/bf16 with numpy goes through f32, which holds every such value exactly.
+  `asarray(..., device=, copy=True)` (or `from_dlpack`) to upload. f16/bf16 that a library
+  cannot exchange with numpy travel as their i16 bits where its arrays have `view(dtype)`
+  (torch), else through f32, which holds every such value exactly (a NaN's sign and
+  payload are then the library's choice).
 
 Importing this module imports no framework: a namespace is only ever one the caller passed.
 """
@@ -182,7 +184,7 @@ class ArrayApiBackend:
             lambda: self.xp.asarray(host, dtype=native, device=dev, copy=True),
             # from a copy of ours: whatever from_dlpack shares, no one else holds it
             lambda: array_api_compat.to_device(self.xp.from_dlpack(np.array(host, copy=True)), dev),
-            lambda: self._widened_upload(host, dtype, dev),
+            lambda: self._half_upload(host, dtype, dev),
             what=f"cannot upload a numpy {dtype.value} array to {self.name} on {dev!r}")
         if self._dtype(out) is not dtype:
             raise TypeError(f"{self.name} stored a {dtype.value} array as {self._dtype(out).value}")
@@ -317,23 +319,45 @@ class ArrayApiBackend:
                 pass  # no device named cpu: the readers below may still manage
             else:
                 tensor = array_api_compat.to_device(tensor, cpu)
-        return _first(
+        host: HostArray = _first(
             lambda: np.from_dlpack(tensor),
             lambda: np.asarray(tensor),
-            lambda: self._widened_read(tensor),
+            lambda: self._half_read(tensor),
             what=f"cannot read a {self.name} array of dtype {tensor.dtype} back to numpy")
+        return host
 
-    def _widened_read(self, tensor: Tensor) -> HostArray:
+    def _half_read(self, tensor: Tensor) -> HostArray:
+        """f16/bf16 numpy cannot take from the library: their bits as i16 where the array
+        has `view(dtype)` (numpy, torch, CuPy), else through f32 (exact, except that a
+        NaN's sign and payload are the library's choice)."""
         dtype = self._dtype(tensor)
         if dtype not in _OUTSIDE_STANDARD:
             raise TypeError(f"no numpy reader for {dtype.value}")
-        return self._read(self.cast(tensor, DType.F32)).astype(dtype.numpy)  # exact: f32 holds them
+        if callable(getattr(tensor, "view", None)):
+            try:
+                bits = self._read(tensor.view(self._native[DType.I16]))
+            except _CANNOT:
+                pass
+            else:
+                return bits.view(dtype.numpy)
+        return self._read(self.cast(tensor, DType.F32)).astype(dtype.numpy)
 
-    def _widened_upload(self, host: HostArray, dtype: DType, dev: Device) -> Tensor:
+    def _half_upload(self, host: HostArray, dtype: DType, dev: Device) -> Tensor:
+        """f16/bf16 the library cannot take from numpy, as `_half_read` reads them."""
         if dtype not in _OUTSIDE_STANDARD:
             raise TypeError(f"no numpy upload for {dtype.value}")
+        native = self._native_dtype(dtype, dev)
+        bits = self.xp.asarray(host.view(np.int16), device=dev, copy=True)
+        if callable(getattr(bits, "view", None)):
+            try:
+                out = bits.view(native)
+            except _CANNOT:
+                pass
+            else:
+                if self._dtype(out) is dtype:
+                    return out
         wide = self.xp.asarray(host.astype(np.float32), device=dev, copy=True)
-        return self.xp.astype(wide, self._native_dtype(dtype, dev))
+        return self.xp.astype(wide, native)
 
 
 class ArrayApiAdapter:
