@@ -19,11 +19,14 @@ from .errors import (
     RecordMismatchError,
     UnsupportedVersionError,
 )
+from .flaxmsgpack import FlaxMsgpackFileRecorder
 from .format import FORMAT_NAME, FORMAT_VERSION, Header
+from .formats import Format, register_format
 from .gradients import GradientsParams, GradientsParamsRecord
 from .items import Item
 from .manager import CheckpointManager, KeepBest, Preemption
 from .precision import (
+    BF16PrecisionSettings,
     DoublePrecisionSettings,
     FullPrecisionSettings,
     HalfPrecisionSettings,
@@ -62,6 +65,7 @@ __all__ = [
     "Adapter",
     "AutodiffBackend",
     "AutodiffModule",
+    "BF16PrecisionSettings",
     "Backend",
     "CheckpointManager",
     "ChecksumError",
@@ -73,7 +77,9 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "FileMissingError",
+    "FlaxMsgpackFileRecorder",
     "FloatDType",
+    "Format",
     "FullPrecisionSettings",
     "GradientsAccumulator",
     "GradientsParams",
@@ -110,4 +116,5 @@ __all__ = [
     "read_file",
     "record",
     "register_adapter",
+    "register_format",
 ]
