@@ -73,7 +73,7 @@ def read_pt(path: Path, mmap: bool = False, *, limits: Limits | None = None) -> 
                 raise CorruptRecordError("not a .pt zip file (wrong magic)"
                                          + reader_of(head, not_=FORMAT), source=source)
             signed = _has_trailer(os.pread(fd, TRAILER_BYTES, max(0, size - TRAILER_BYTES)))
-            entries = _entries(f, size, source)
+            # the file checksum first: a damaged file is a ChecksumError, whatever it hit
             if mmap:
                 buf: Any = _mmap.mmap(fd, 0, access=_mmap.ACCESS_READ)
                 if signed:
@@ -83,6 +83,7 @@ def read_pt(path: Path, mmap: bool = False, *, limits: Limits | None = None) -> 
                 buf, crc = _read_all(f, size, source, signed)
                 if signed:
                     check_file_crc(crc, int.from_bytes(buf[size - FILE_CRC_BYTES :], "big"), source)
+            entries = _entries(f, size, source)
     return _parse(buf, entries, source, signed, owned=not mmap, limits=limits or Limits())
 
 
