@@ -147,6 +147,12 @@ def test_read_file_inspect_verify_and_diff_need_only_core(files):
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
                 out[" ".join(argv[:1])] = [main(argv), buf.getvalue()]
+        import os
+        for src in ("pt", "flax"):  # convert reads its source through the registry too
+            dst = os.path.join(os.path.dirname(paths["mpk"]), f"from-{src}.mpk")
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = main(["convert", paths[src], dst, "--to", "mpk"])
+            out["convert " + src] = [code, _digest(trainrec.read_file(dst)[1])]
         out["loaded"] = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "flax", "optax"))
         print(json.dumps(out))
     """
@@ -169,6 +175,7 @@ def test_read_file_inspect_verify_and_diff_need_only_core(files):
     assert "every tensor checksum" in out["mpk"]["verify"][1]
     assert out["verify"][0] == 1 and "CORRUPT" in out["verify"][1] and "file checksum mismatch" in out["verify"][1]
     assert out["diff"][0] == 1 and "f32: differs" in out["diff"][1]
+    assert out["convert pt"] == [0, expected] and out["convert flax"] == [0, expected]
 
 
 def test_flax_msgpack_writes_and_reads_without_jax(tmp_path):
