@@ -20,11 +20,14 @@ from .errors import (
     RecordMismatchError,
     UnsupportedVersionError,
 )
+from .flaxmsgpack import FlaxMsgpackFileRecorder
 from .format import FORMAT_NAME, FORMAT_VERSION, Header
+from .formats import Format, register_format
 from .gradients import GradientsParams, GradientsParamsRecord
 from .items import Item
 from .manager import CheckpointManager, KeepBest, Preemption
 from .precision import (
+    BF16PrecisionSettings,
     DoublePrecisionSettings,
     FullPrecisionSettings,
     HalfPrecisionSettings,
@@ -65,6 +68,7 @@ __all__ = [
     "ArrayApiBackend",
     "AutodiffBackend",
     "AutodiffModule",
+    "BF16PrecisionSettings",
     "Backend",
     "CheckpointManager",
     "ChecksumError",
@@ -76,7 +80,9 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "FileMissingError",
+    "FlaxMsgpackFileRecorder",
     "FloatDType",
+    "Format",
     "FullPrecisionSettings",
     "GradientsAccumulator",
     "GradientsParams",
@@ -113,4 +119,5 @@ __all__ = [
     "read_file",
     "record",
     "register_adapter",
+    "register_format",
 ]

@@ -292,21 +292,16 @@ def _verify(path: str, as_json: bool) -> int:
         else:
             print(f"{'CORRUPT' if corrupt else 'UNREADABLE'}: {_message(e)}")
         return 1 if corrupt else 3
-    checked = _CHECKED.get(header.format, "nothing: this format carries no checksums (parsed only)")
+    from .formats import format_named
+
+    fmt = format_named(header.format)
+    checked = fmt.verified if fmt else "nothing: this format carries no checksums (parsed only)"
     if as_json:
         print(json.dumps({"file": path, "ok": True, "tensors": count, "bytes": total,
                           "verified": checked}))
     else:
         print(_printable(f"OK: {path}: {count} tensors ({total} bytes); verified: {checked}"))
     return 0
-
-
-_CHECKED = {
-    "trainrec.namedmpk": "header, structure and every tensor checksum",
-    "trainrec.torch": "the file checksum over every byte (header, structure, tensors, zip framing)",
-    "trainrec.flax": "the file checksum over every byte (header, structure, tensors)",
-}
-"""What `verify` has checked once a file of each format loads."""
 
 
 def _diff(a: str, b: str, as_json: bool) -> int:
@@ -379,16 +374,12 @@ def _progress(done: int, total: int, what: str) -> None:
 
 
 def _recorder_for(path: str) -> Any:
-    from pathlib import Path
-
+    """A recorder (native precision) for the format DST's extension names in the format
+    registry; NamedMpk when it names none."""
+    from .formats import recorder_for
     from .precision import NativePrecisionSettings
-    from .recorders import NamedMpkFileRecorder, _adapter_recorder
 
-    if path.endswith(".pt"):
-        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", Path(path))
-    if path.endswith(".msgpack"):
-        return _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", Path(path))
-    return NamedMpkFileRecorder(NativePrecisionSettings())
+    return recorder_for(path, NativePrecisionSettings())
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -902,7 +902,7 @@ def _read_header(p: _Parser) -> Header:
 
 def _wrong_magic(p: _Parser) -> str:
     head = bytes(p.mv[: min(p.avail, HEAD_BYTES)])
-    return "not a trainrec NamedMpk document (wrong magic)" + reader_of(head, not_="namedmpk")
+    return "not a trainrec NamedMpk document (wrong magic)" + reader_of(head, not_=FORMAT_NAME)
 def check_magic(prefix: Any, source: str) -> None:
     """Raise `CorruptRecordError` unless `prefix` (the first bytes of a payload, at least
     64 of them when the payload has that many) starts a NamedMpk document: lets a reader
@@ -920,7 +920,7 @@ def check_magic(prefix: Any, source: str) -> None:
     if not ok:
         head = bytes(memoryview(prefix)[:HEAD_BYTES])
         raise CorruptRecordError("not a trainrec NamedMpk document (wrong magic)"
-                                 + reader_of(head, not_="namedmpk"), source=source)
+                                 + reader_of(head, not_=FORMAT_NAME), source=source)
 
 
 def _check_version(v: object, p: _Parser) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "HalfPrecisionSettings",
     "DoublePrecisionSettings",
     "NativePrecisionSettings",
+    "BF16PrecisionSettings",
     "settings_by_name",
     "convert_tensor",
     "convert_item",
@@ -102,6 +103,15 @@ class NativePrecisionSettings(Precision):
 
     name: str = "native"
     float_dtype: DType | None = None
+    int_dtype: DType | None = None
+
+
+@dataclass(frozen=True)
+class BF16PrecisionSettings(Precision):
+    """Floats as bf16, signed ints kept (`trainrec.adapters.torch` re-exports it)."""
+
+    name: str = "bf16"
+    float_dtype: DType | None = DType.BF16
     int_dtype: DType | None = None
 
 

@@ -35,7 +35,7 @@ from .format import (
 from .items import Item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
-from .sniff import HEAD_BYTES, kind_of, reader_of
+from .sniff import HEAD_BYTES, reader_of
 from .tensor import handing_out
 
 __all__ = [
@@ -220,7 +220,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
                     f.seek(0)
                     raise CorruptRecordError(
                         "not a gzip file (wrong magic)"
-                        + reader_of(f.read(HEAD_BYTES), not_="namedmpk.gz"), source=source)
+                        + reader_of(f.read(HEAD_BYTES), not_="trainrec.namedmpk.gz"), source=source)
                 f.seek(0)
                 limit = self._max
                 if limit is None:
@@ -273,37 +273,30 @@ class CompactRecorder(NamedMpkFileRecorder):
 
 
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:
-    """Header and item of any record file trainrec writes, told apart by its first bytes:
-    NamedMpk (plain or gzip), a `.pt` zip (`TorchFileRecorder`, needs torch) or flax
-    msgpack (`FlaxMsgpackFileRecorder`). Adapter recorders are imported only for their
-    own files."""
+    """Header and item of any record file of a registered format (`trainrec.formats`),
+    with only core installed: NamedMpk (plain or gzip), `.pt` (`TorchFileRecorder`'s, read
+    without torch), flax msgpack, and any format a third party registers.
+
+    The format is the one the file's first bytes say; its extension only decides between
+    formats that both accept them. `mmap=True` maps the file where the format can.
+
+    Raises:
+        FileMissingError: no such file, or a directory.
+        CorruptRecordError: damaged, of no known format (the message lists the known
+            ones), or of one format but named as another's.
+        UnsupportedVersionError: written by a format version this trainrec cannot read.
+    """
+    from .formats import resolve_format
+
     p = path_arg(path)
-    kind = kind_of(_head(p))
-    if kind == "namedmpk.gz":
-        return NamedMpkGzFileRecorder().read(p)
-    if kind == "torch":
-        return _adapter_recorder("trainrec.adapters.torch", "TorchFileRecorder", p).read(p, mmap=mmap)
-    if kind == "flax":
-        flax = _adapter_recorder("trainrec.adapters.jax.recorder", "FlaxMsgpackFileRecorder", p)
-        return flax.read(p, mmap=mmap)
-    return NamedMpkFileRecorder().read(p, mmap=mmap)
+    return resolve_format(p, _head(p)).reader(p, mmap)
 
 
 def _head(path: Path) -> bytes:
-    """The first bytes of a checkpoint file (for `sniff.kind_of`)."""
+    """The first bytes of a checkpoint file (for the formats' sniffs)."""
     with reading(str(path)):
         with open(path, "rb") as f:
             return f.read(HEAD_BYTES)
-
-
-def _adapter_recorder(module: str, name: str, path: Path) -> RecorderBase:
-    import importlib
-
-    try:
-        recorder: RecorderBase = getattr(importlib.import_module(module), name)(NativePrecisionSettings())
-        return recorder
-    except ImportError as e:
-        raise RecorderError(f"reading this file needs {module} ({e})", source=str(path)) from e
 
 
 _GZ_BYTES = 256 << 20

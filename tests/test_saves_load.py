@@ -173,9 +173,9 @@ def _adapter_recorders():
     except ImportError:
         pass
     try:
-        from trainrec.adapters.jax.recorder import FlaxMsgpackFileRecorder
+        from trainrec.flaxmsgpack import FlaxMsgpackFileRecorder
 
-        out.append(pytest.param(FlaxMsgpackFileRecorder, "trainrec.adapters.jax.recorder", id="flax"))
+        out.append(pytest.param(FlaxMsgpackFileRecorder, "trainrec.flaxmsgpack", id="flax"))
     except ImportError:
         pass
     return out

@@ -21,6 +21,7 @@ from trainrec import (  # noqa: E402
     NamedMpkBytesRecorder,
     NativePrecisionSettings,
     RecordMismatchError,
+    TensorData,
     TrainingRecord,
 )
 
@@ -437,27 +438,18 @@ def test_torch_file_recorder_rejects_bad_files_with_recorder_errors(tmp_path):
         r.load_item(tmp_path / "missing.pt")
 
 
-def test_torch_file_recorder_refuses_old_torch(tmp_path, monkeypatch):
-    from trainrec.adapters.torch import recorder as mod
+def test_torch_file_recorder_never_calls_torch_load(tmp_path, monkeypatch):
+    """Loads go through core's allow-list reader (`trainrec.ptfile`), so no torch version's
+    unpickler (CVE-2025-32434 in torch < 2.6) ever sees the file."""
+    def refuse(*a, **kw):
+        raise AssertionError("torch.load called on a load path")
 
-    path = trt.TorchFileRecorder().save_item({"a": 1}, tmp_path / "x.pt")
-    monkeypatch.setattr(mod, "_torch_version", lambda: (2, 5))
-    with pytest.raises(trainrec.RecorderError, match="CVE-2025-32434"):
-        trt.TorchFileRecorder().load_item(path)
-
-
-def test_torch_file_recorder_only_loads_with_weights_only(tmp_path, monkeypatch):
-    seen = []
-    real = torch.load
-
-    def spy(*a, **kw):
-        seen.append(kw.get("weights_only"))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(torch, "load", spy)
-    path = trt.TorchFileRecorder().save_item({"a": 1}, tmp_path / "x.pt")
-    trt.TorchFileRecorder().load_item(path)
-    assert seen == [True]
+    monkeypatch.setattr(torch, "load", refuse)
+    path = trt.TorchFileRecorder().save_item({"a": 1, "t": TensorData.from_array(np.ones(3))},
+                                             tmp_path / "x.pt")
+    item = trt.TorchFileRecorder().load_item(path)
+    assert item["a"] == 1 and item["t"].bitwise_equal(TensorData.from_array(np.ones(3)))
+    trt.TorchFileRecorder().load_item(path, mmap=True)
 
 
 def test_state_fields_may_hold_torch_tensors():

@@ -1,0 +1,310 @@
+"""The registry of record file formats: how `read_file`, the CLI and the recorders tell
+files apart, read them with core alone, and find a recorder to write them.
+
+A `Format` is found by its name (the format string its files' header declares, e.g.
+`"trainrec.torch"`), by the first bytes of a file (`sniff`) and by a file name's
+extension. Resolution order of `known_formats()`:
+
+1. formats given to `register_format(...)`, most recent first;
+2. formats declared in the entry-point group `trainrec.formats` (entry-point name = the
+   format's name, value = `"module:attr"` naming a `Format`), by name; an entry point
+   that fails to load, or names something else, is skipped with a warning;
+3. the built-in formats: NamedMpk (`.mpk`), gzip NamedMpk (`.mpk.gz`), flax msgpack
+   (`.msgpack`) and torch (`.pt`). These are the one place `core/` names adapter
+   modules: a `.pt` file is *read* by core (`trainrec.ptfile`), only its recorder (for
+   writing) lives in `trainrec.adapters.torch`.
+
+The first format of a name wins. A file is read by the first format, in that order, whose
+`sniff` accepts its first bytes; the extension only decides between several that do, and
+names the format whose reader explains a file no sniff accepts. A file whose content is
+one format and whose name another's is refused, naming both. Registration is explicit:
+importing a module registers nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import CorruptRecordError, RecorderError
+
+if TYPE_CHECKING:
+    from .format import Header
+    from .items import Item
+    from .protocols import PrecisionSettings
+    from .recorders import RecorderBase
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "SNIFF_BYTES",
+    "Format",
+    "register_format",
+    "known_formats",
+    "format_named",
+    "format_for_name",
+    "sniff_format",
+    "resolve_format",
+    "recorder_for",
+]
+
+ENTRY_POINT_GROUP = "trainrec.formats"
+SNIFF_BYTES = 64
+"""How many leading bytes of a file `Format.sniff` is given (fewer for a shorter file)."""
+
+Reader = Callable[[Path, bool], "tuple[Header, Item]"]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A file format trainrec reads (and writes).
+
+    - `name`: the format string its files' header declares (`"trainrec.torch"`);
+    - `extensions`: file name endings, most usual first (`(".pt",)`);
+    - `sniff(head) -> bool`: whether a file starting with `head` (its first
+      `SNIFF_BYTES` bytes) is of this format; cheap, never raises;
+    - `reader(path, mmap) -> (Header, Item)`: reads a file with no framework installed,
+      raising a `RecorderError` subclass for anything it cannot read;
+    - `recorder`: `"module:attr"` of the recorder class that writes it (constructed with
+      precision settings; imported only when asked for, and may need a framework);
+    - `description`: what a file of this format is and what reads it, a phrase for
+      error messages (`"a .pt zip file: TorchFileRecorder reads it"`);
+    - `verified`: what a successful read has checked (printed by `trainrec verify`).
+    """
+
+    name: str
+    extensions: tuple[str, ...]
+    sniff: Callable[[bytes], bool]
+    reader: Reader
+    recorder: str
+    description: str = ""
+    verified: str = "nothing: this format carries no checksums (parsed only)"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError("Format.name must be a non-empty str")
+        if isinstance(self.extensions, str) or not all(
+                isinstance(e, str) and e.startswith(".") for e in self.extensions):
+            raise TypeError("Format.extensions must be a tuple of endings such as '.pt'")
+        if not callable(self.sniff) or not callable(self.reader):
+            raise TypeError("Format.sniff and Format.reader must be callables")
+        module, sep, attr = self.recorder.partition(":") if isinstance(self.recorder, str) else ("", "", "")
+        if not (module and sep and attr):
+            raise TypeError(f"Format.recorder must be 'module:attr', got {self.recorder!r}")
+
+    def new_recorder(self, settings: PrecisionSettings | None = None) -> RecorderBase:
+        """A recorder that writes this format. Raises `RecorderError` naming the module
+        when it cannot be imported (a framework that is not installed)."""
+        module, _, attr = self.recorder.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except ImportError as e:
+            raise RecorderError(f"writing {self.name} files needs {module} ({e})") from e
+        except AttributeError as e:
+            raise RecorderError(f"{self.recorder} does not exist ({e})") from e
+        recorder: RecorderBase = cls(settings)
+        return recorder
+
+
+_registered: list[Format] = []
+_from_entry_points: list[Format] | None = None
+
+
+def register_format(fmt: Format) -> None:
+    """Make `fmt` known to `read_file`, the CLI and `recorder_for`, ahead of every format
+    registered before it, declared by entry points or built in (a format of the same
+    name among them is then hidden)."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format takes a trainrec.formats.Format, got {type(fmt).__name__}")
+    _registered.insert(0, fmt)
+
+
+def _entry_point_formats() -> list[Format]:
+    global _from_entry_points
+    if _from_entry_points is None:
+        found: list[Format] = []
+        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            try:
+                fmt = ep.load()
+            except Exception as e:  # a third party's module: any error while importing it
+                warnings.warn(f"trainrec: the format entry point {ep.name} = {ep.value!r} "
+                              f"failed to load ({type(e).__name__}: {e}); skipped", stacklevel=3)
+                continue
+            if not isinstance(fmt, Format) or fmt.name != ep.name:
+                warnings.warn(f"trainrec: the format entry point {ep.name} = {ep.value!r} "
+                              f"does not name a Format called {ep.name!r}; skipped", stacklevel=3)
+                continue
+            found.append(fmt)
+        _from_entry_points = found
+    return _from_entry_points
+
+
+def known_formats() -> tuple[Format, ...]:
+    """Every known format, in resolution order (see the module docstring), one per name."""
+    out: list[Format] = []
+    names: set[str] = set()
+    for fmt in (*_registered, *_entry_point_formats(), *_BUILTIN):
+        if fmt.name not in names:
+            names.add(fmt.name)
+            out.append(fmt)
+    return tuple(out)
+
+
+def format_named(name: str) -> Format | None:
+    """The format whose files declare `name`, or None."""
+    return next((f for f in known_formats() if f.name == name), None)
+
+
+def format_for_name(path: str | Path) -> Format | None:
+    """The format a file name's extension names (the longest ending that matches, case
+    ignored), or None."""
+    lower = Path(path).name.lower()
+    best: tuple[int, Format] | None = None
+    for fmt in known_formats():
+        for ext in fmt.extensions:
+            if lower.endswith(ext.lower()) and (best is None or len(ext) > best[0]):
+                best = (len(ext), fmt)
+    return None if best is None else best[1]
+
+
+def sniff_format(head: bytes) -> Format | None:
+    """The first format (in resolution order) whose `sniff` accepts `head`, or None."""
+    return next(iter(_sniffed(head)), None)
+
+
+def _sniffed(head: bytes) -> list[Format]:
+    head = bytes(head[:SNIFF_BYTES])
+    out = []
+    for fmt in known_formats():
+        try:
+            ok = fmt.sniff(head)
+        except Exception as e:  # a third party's sniff: it must not raise
+            raise RecorderError(f"the sniff of format {fmt.name} failed: {type(e).__name__}: {e}") from e
+        if ok:
+            out.append(fmt)
+    return out
+
+
+def _known() -> str:
+    return ", ".join(f"{f.name} ({', '.join(f.extensions) or 'any name'})" for f in known_formats())
+
+
+def resolve_format(path: str | Path, head: bytes) -> Format:
+    """The format to read the file `path`, which starts with `head`: the one its content
+    says (its name decides between several); when no format claims the content, the one
+    its name says (whose reader then says what is wrong with it).
+
+    Raises `CorruptRecordError` when the content is one format and the name another's,
+    or when neither names a known format (the message lists them)."""
+    named = format_for_name(path)
+    found = _sniffed(head)
+    if named is not None and named in found:
+        return named
+    if found:
+        if named is None:
+            return found[0]
+        is_ = found[0]
+        raise CorruptRecordError(
+            f"the name says {named.name} ({', '.join(named.extensions)}), the content says "
+            f"otherwise: this is {is_.description or is_.name}; rename it to end in "
+            f"{is_.extensions[0] if is_.extensions else 'its own extension'}, or read it "
+            f"with that recorder", source=str(path))
+    if named is not None:
+        return named
+    what = "an empty file" if not head else "its first bytes match none of the formats trainrec knows"
+    raise CorruptRecordError(f"not a record file: {what} ({_known()})", source=str(path))
+
+
+def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) -> RecorderBase:
+    """A recorder that writes the format `path`'s extension names (NamedMpk when it names
+    none), with `settings` (None: Full)."""
+    fmt = format_for_name(path) or format_named("trainrec.namedmpk")
+    assert fmt is not None  # built in
+    return fmt.new_recorder(settings)
+
+
+# -- the built-in formats --------------------------------------------------------------------
+
+
+def _is_map(head: bytes) -> bool:
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+
+
+def _sniff_namedmpk(head: bytes) -> bool:
+    return _is_map(head) and b"trainrec.namedmpk" in head
+
+
+def _sniff_gz(head: bytes) -> bool:
+    return head[:2] == b"\x1f\x8b"
+
+
+def _sniff_torch(head: bytes) -> bool:
+    return head[:4] == b"PK\x03\x04"
+
+
+def _sniff_flax(head: bytes) -> bool:
+    """Ours, or any msgpack map that is not NamedMpk (a plain flax state dict); not a
+    map whose first bytes look like a damaged NamedMpk header."""
+    if not _is_map(head):
+        return False
+    if b"trainrec.flax" in head:
+        return True
+    return b"trainrec" not in head and b"namedmpk" not in head
+
+
+def _read_namedmpk(path: Path, mmap: bool) -> tuple[Header, Item]:
+    from .precision import NativePrecisionSettings
+    from .recorders import NamedMpkFileRecorder
+
+    return NamedMpkFileRecorder(NativePrecisionSettings()).read(path, mmap=mmap)
+
+
+def _read_gz(path: Path, mmap: bool) -> tuple[Header, Item]:
+    from .precision import NativePrecisionSettings
+    from .recorders import NamedMpkGzFileRecorder
+
+    return NamedMpkGzFileRecorder(NativePrecisionSettings()).read(path)
+
+
+def _read_flax(path: Path, mmap: bool) -> tuple[Header, Item]:
+    from .flaxmsgpack import FlaxMsgpackFileRecorder
+    from .precision import NativePrecisionSettings
+
+    return FlaxMsgpackFileRecorder(NativePrecisionSettings()).read(path, mmap=mmap)
+
+
+def _read_torch(path: Path, mmap: bool) -> tuple[Header, Item]:
+    from .ptfile import read_pt
+
+    return read_pt(path, mmap)
+
+
+_BUILTIN: tuple[Format, ...] = (
+    Format("trainrec.namedmpk", (".mpk",), _sniff_namedmpk, _read_namedmpk,
+           "trainrec.recorders:NamedMpkFileRecorder",
+           "a NamedMpk file: NamedMpkFileRecorder (DefaultRecorder, CompactRecorder) reads it",
+           "header, structure and every tensor checksum"),
+    Format("trainrec.namedmpk.gz", (".mpk.gz",), _sniff_gz, _read_gz,
+           "trainrec.recorders:NamedMpkGzFileRecorder",
+           "a gzip NamedMpk file: NamedMpkGzFileRecorder reads it",
+           "header, structure and every tensor checksum"),
+    Format("trainrec.flax", (".msgpack",), _sniff_flax, _read_flax,
+           "trainrec.flaxmsgpack:FlaxMsgpackFileRecorder",
+           "a msgpack map without a NamedMpk header, as flax writes: "
+           "trainrec.FlaxMsgpackFileRecorder reads it",
+           "the file checksum over every byte (header, structure, tensors)"),
+    Format("trainrec.torch", (".pt",), _sniff_torch, _read_torch,
+           "trainrec.adapters.torch.recorder:TorchFileRecorder",
+           "a .pt zip file: trainrec.adapters.torch.TorchFileRecorder reads it",
+           "the file checksum over every byte (header, structure, tensors, zip framing)"),
+)
+
+
+def _clear_entry_point_cache() -> None:
+    """Forget the formats entry points declared (for tests that change them)."""
+    global _from_entry_points
+    _from_entry_points = None
