@@ -9,6 +9,7 @@ Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 
 from ._version import __version__
 from .accumulator import GradientsAccumulator
+from .convert import register_neutral_form
 from .dtypes import DType, FloatDType
 from .errors import (
     ChecksumError,
@@ -110,4 +111,5 @@ __all__ = [
     "read_file",
     "record",
     "register_adapter",
+    "register_neutral_form",
 ]
