@@ -508,7 +508,8 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
         if a != b:
             maths.append(f"{_LABELS.get(key, key)}: the source's is {a!r}, the template's {b!r}")
     if maths:
-        forceable.append(_refusal("the optimizer's maths differ between the frameworks", maths))
+        forceable.append(_refusal("the optimizer's maths differ between the frameworks", maths,
+                                  "force=True converts anyway"))
     algorithm, moments = src_opt.algorithm, src_opt.moments
     if moments and dst_opt.algorithm != algorithm:
         forceable.append(f"the source optimizer keeps {algorithm or 'unconvertible'} state, the template's "
@@ -565,8 +566,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
     except ConversionError as e:
         refusals.append(str(e))
     if refusals or (forceable and not force):
-        raise ConversionError("\n".join(refusals + ([] if force else forceable))
-                              + ("\n(force=True converts anyway)" if forceable and not force else ""))
+        raise ConversionError("\n".join(refusals + ([] if force else forceable)))
     return TrainingRecord(
         StateRecord(template.model.kind, check_item(model_item)),
         StateRecord(template.optimizer.kind, check_item(opt_item)),
