@@ -6,13 +6,22 @@ run of the first (1e-5 relative)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 import trainrec
 from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord
 from trainrec.adapters.numpy import MLP, SGD, Adam, AdamW, LinearWarmupCosineLr, StepLr
-from trainrec.convert import ConversionError, Neutral, convert, form_for, framework_of, register_neutral_form
+from trainrec.convert import (
+    ConversionError,
+    Neutral,
+    convert,
+    form_for,
+    framework_of,
+    register_neutral_form,
+)
 
 WINDOW, K, M = 2, 5, 8  # stop after micro-step 5: one gradient pending
 SIZES = (4, 8, 3)
@@ -223,13 +232,13 @@ def _jax():
 @pytest.mark.parametrize(("other", "opt"), [("torch", "adamw"), ("torch", "adam"), ("torch", "sgd"),
                                             ("jax", "adamw"), ("jax", "adam")])
 def test_numpy_run_continues_in_torch_and_jax_and_back(other, opt):
-    Other = _torch() if other == "torch" else _jax()
+    other_run = _torch() if other == "torch" else _jax()
     x, y = batches()
     ref = NumpyRun(opt)
     ref.train(0, K + M, x, y)
     src = NumpyRun(opt)
     src.train(0, K, x, y)
-    dst = Other(opt)
+    dst = other_run(opt)
     converted = via_file(convert(via_file(src.record(K)), dst.record(0)))  # numpy's rate needs no lr=
     assert converted.grads.grads, "the pending gradient is carried over"
     dst.restore(converted)
@@ -243,36 +252,36 @@ def test_numpy_run_continues_in_torch_and_jax_and_back(other, opt):
     for k, v in ref.model.params.items():
         np.testing.assert_allclose(back.model.params[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
     if other == "torch":
-        ahead = Other(opt)
+        ahead = other_run(opt)
         ahead.restore(convert(via_file(ref.record(K + M)), ahead.record(0)))
         for k, v in ahead.params().items():
             np.testing.assert_allclose(v, ref.model.params[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_numpy_optimizer_maths_without_a_counterpart_are_refused_unless_forced():
-    JaxRun = _jax()
+    jax_run = _jax()
     x, y = batches()
     src = NumpyRun("sgd")
     src.opt = SGD(momentum=0.9, dampening=0.5)
     src.train(0, K, x, y)
     with pytest.raises(ConversionError, match="dampening"):
-        convert(src.record(K), JaxRun("sgd").record(0))
-    convert(src.record(K), JaxRun("sgd").record(0), force=True)
+        convert(src.record(K), jax_run("sgd").record(0))
+    convert(src.record(K), jax_run("sgd").record(0), force=True)
     adamw = NumpyRun("adamw")
     adamw.train(0, K, x, y)
     with pytest.raises(ConversionError, match="source optimizer keeps adam state"):
-        convert(adamw.record(K), JaxRun("sgd").record(0))
+        convert(adamw.record(K), jax_run("sgd").record(0))
     with pytest.raises(ValueError, match="lr is for torch targets"):
-        convert(JaxRun("adamw").record(0), NumpyRun().record(0), lr=0.1)
+        convert(jax_run("adamw").record(0), NumpyRun().record(0), lr=0.1)
 
 
 def test_a_numpy_schedule_position_without_a_place_is_refused_unless_forced():
-    TorchRun = _torch()
+    torch_run = _torch()
     x, y = batches()
     src = NumpyRun("adamw")
     src.sched = StepLr(PEAK, 2)
     src.train(0, K, x, y)
-    target = TorchRun("adamw")
+    target = torch_run("adamw")
     target.sched = None
     template = TrainingRecord.capture(target.model, target.opt, None, target.acc, S(0))
     with pytest.raises(ConversionError, match="schedule does not carry over"):
@@ -379,9 +388,8 @@ def _strict_jax(lr, every, gamma):
                     tree = trj.to_tree(GradientsParams({k: v / WINDOW for k, v in g.items()}), self.model)
                     params = self.model.params["params"]
                     updates, self.opt.opt_state = self.opt.tx.update(tree, self.opt.opt_state, params)
-                    step = self.sched.step()
-                    self.model.params = {"params": optax.apply_updates(
-                        params, jax.tree_util.tree_map(lambda u: step * u, updates))}
+                    scaled = jax.tree_util.tree_map(functools.partial(jnp.multiply, self.sched.step()), updates)
+                    self.model.params = {"params": optax.apply_updates(params, scaled)}
 
         def record(self, micro):
             return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
@@ -394,16 +402,16 @@ def _strict_jax(lr, every, gamma):
 
 @pytest.mark.parametrize("other", ["torch", "jax"])
 def test_third_party_arraystrict_run_continues_in_torch_and_jax_and_back(other):
-    StrictRun, (lr, every, gamma) = _strict()
-    Other = (_strict_torch if other == "torch" else _strict_jax)(lr, every, gamma)
+    strict_run, (lr, every, gamma) = _strict()
+    other_run = (_strict_torch if other == "torch" else _strict_jax)(lr, every, gamma)
     x, y = batches(5, 3)
-    ref = StrictRun()
+    ref = strict_run()
     ref.train(0, K + M, x, y)
-    src = StrictRun()
+    src = strict_run()
     src.train(0, K, x, y)
     record = via_file(src.record(K))
     assert framework_of(record) == "arraystrict" and type(form_for(record)).__module__ == "trainrec_arraystrict.neutral"
-    dst = Other()
+    dst = other_run()
     position = K // WINDOW
     rate = lr * gamma ** (position // every)  # the schedule is code: a torch target is told its rate
     converted = convert(record, dst.record(0), lr=rate) if other == "torch" else convert(record, dst.record(0))
@@ -411,7 +419,7 @@ def test_third_party_arraystrict_run_continues_in_torch_and_jax_and_back(other):
     middle = K + 3
     dst.train(K, middle, x, y)
     np.testing.assert_allclose(dst.losses, ref.losses[K:middle], rtol=1e-5)
-    back = StrictRun(seed=2)
+    back = strict_run(seed=2)
     back.restore(via_file(convert(via_file(dst.record(middle)), back.record(0))))
     back.train(middle, K + M, x, y)
     np.testing.assert_allclose(back.losses, ref.losses[middle:], rtol=1e-5)
@@ -422,15 +430,15 @@ def test_third_party_arraystrict_run_continues_in_torch_and_jax_and_back(other):
 def test_an_sgd_without_a_step_count_into_a_schedule_counting_updates_is_refused_unless_forced():
     """array-api-strict's SGD keeps no step count: whether its schedule was stepped once
     per update cannot be shown, and optax's schedule inside the optimizer counts updates."""
-    StrictRun, (lr, every, gamma) = _strict()
+    strict_run, (lr, every, gamma) = _strict()
     optax = pytest.importorskip("optax")
     import trainrec.adapters.jax as trj
 
-    JaxLinear = _strict_jax(lr, every, gamma)
+    jax_linear = _strict_jax(lr, every, gamma)
     x, y = batches(5, 3)
-    src = StrictRun()
+    src = strict_run()
     src.train(0, K, x, y)
-    dst = JaxLinear()
+    dst = jax_linear()
     tx = optax.sgd(optax.exponential_decay(lr, every, gamma, staircase=True), momentum=0.9)
     dst.opt = trj.JaxOptimizer(tx, tx.init(dst.model.params["params"]))
     template = TrainingRecord.capture(dst.model, dst.opt, None, dst.acc, S(0))
