@@ -279,7 +279,7 @@ def _claims(form: NeutralForm, kind: str) -> bool:
     return any(kind == p or kind.startswith(p + ".") for p in form.kinds)
 
 
-def _load(ep: Any) -> NeutralForm | None:
+def _load(ep: Any) -> NeutralForm:
     if ep.name not in _loaded:
         loaded = ep.load()
         form = loaded() if isinstance(loaded, type) else loaded
@@ -300,9 +300,9 @@ def form_for(record: TrainingRecord[Any], role: str = "record") -> NeutralForm:
     prefixes = sorted((ep for ep in eps if kind == ep.name or kind.startswith(ep.name + ".")),
                       key=lambda ep: -len(ep.name))
     for ep in prefixes + [ep for ep in eps if ep not in prefixes]:
-        form = _load(ep)
-        if form is not None and _claims(form, kind):
-            return form
+        found = _load(ep)
+        if _claims(found, kind):
+            return found
     kinds = [record.model.kind, record.optimizer.kind] + ([record.scheduler.kind] if record.scheduler else [])
     raise ConversionError(
         f"no conversion for models of kind {kind!r}: no neutral form claims the {role}'s kinds {kinds}; "
@@ -502,7 +502,10 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
 
     src_opt = src.read_optimizer(source, "source", force)
     dst_opt = dst.read_optimizer(template, "template", force)
-    maths = list(src_opt.problems)
+    if src_opt.problems:
+        forceable.append(_refusal("the source does not convert as it is", src_opt.problems,
+                                  "force=True converts anyway"))
+    maths = []
     for key in sorted(set(src_opt.settings) | set(dst_opt.settings)):
         a, b = src_opt.settings.get(key, SETTINGS.get(key)), dst_opt.settings.get(key, SETTINGS.get(key))
         if a != b:

@@ -45,10 +45,12 @@ def _rate_at(scheduler: StateRecord, count: int) -> float | None:
                                        schedulers.CosineAnnealingLr, schedulers.LinearWarmupCosineLr)}
     cls = kinds.get(scheduler.kind)
     item = scheduler.item
-    if cls is None or not isinstance(item, dict) or not isinstance(item.get("config"), dict):
+    config = item.get("config") if isinstance(item, dict) else None
+    if cls is None or not isinstance(config, dict):
         return None
     live = cls.__new__(cls)
-    live.config, live.count = dict(item["config"]), count
+    live.config = {k: v for k, v in config.items() if isinstance(v, (int, float))}
+    live.count = count
     try:
         return float(live.lr_at(count))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
@@ -97,8 +99,9 @@ class NumpyForm:
             elif step is not None:
                 raise ConversionError(f"{role}.optimizer.state.{pid}.step: expected a number, got {step!r}")
             for key, which in _MOMENTS.items():
-                if isinstance(entry.get(key), TensorData):
-                    moments.setdefault(pid, {})[which] = entry[key]
+                moment = entry.get(key)
+                if isinstance(moment, TensorData):
+                    moments.setdefault(pid, {})[which] = moment
         if len(steps) > 1:
             problems.append(f"per-parameter step counts disagree ({sorted(steps)}); the neutral form keeps one count")
         lr = None
