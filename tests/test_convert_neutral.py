@@ -446,3 +446,35 @@ def test_an_sgd_without_a_step_count_into_a_schedule_counting_updates_is_refused
         convert(src.record(K), template)
     forced = convert(src.record(K), template, force=True).optimizer.item
     assert [int(v.array) for k, v in forced.items() if k.endswith("count")] == [K // WINDOW]
+
+
+def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
+    """A many-to-one plan (as rules make) takes its moments and pending gradients from all
+    its sources; where one of them has none, the conversion says which."""
+    strict = pytest.importorskip("trainrec_arraystrict")
+    from trainrec import convert as conversion
+    from trainrec.rules import Plan
+
+    def plans(rules, source, target, *, frameworks=None, strict=True):
+        if not rules:
+            return {}, []
+        return {"w": Plan("w", ("layers.0.weight", "layers.0.bias"), (5, 3), lambda a: a[0].T, "packed"),
+                "b": Plan("b", ("layers.0.bias",), (3,), lambda a: a[0], "bias")}, []
+
+    monkeypatch.setattr(conversion, "plan_rules", plans)
+    run = NumpyRun("sgd")
+    run.model, run.opt, run.sched = MLP((5, 3)), SGD(momentum=0.9), StepLr(0.05, 2)
+    x, y = batches(5, 3)
+    run.train(0, K, x, y)
+    record = run.record(K)
+    template = TrainingRecord.capture(strict.Linear(5, 3), strict.SGD(0.9), strict.StepSchedule(0.05, 2, 0.5),
+                                      GradientsAccumulator(), S(0))
+    rules = [conversion.Rule("unused", "unused")]
+    out = convert(record, template, rules=rules)
+    np.testing.assert_array_equal(out.optimizer.item["buffers"]["w"].array,
+                                  run.opt.state["layers.0.weight"]["momentum_buffer"].T)
+    np.testing.assert_array_equal(out.grads.grads["w"].array, record.grads.grads["layers.0.weight"].array.T)
+    del run.opt.state["layers.0.bias"]
+    with pytest.raises(ConversionError, match=r"w is made from \['layers.0.weight', 'layers.0.bias'\], "
+                                              r"and \['layers.0.bias'\] have no momentum"):
+        convert(run.record(K), template, rules=rules)
