@@ -10,6 +10,7 @@ Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 from ._version import __version__
 from .accumulator import GradientsAccumulator
 from .array_api import ArrayApiAdapter, ArrayApiBackend
+from .convert import register_neutral_form
 from .dtypes import DType, FloatDType
 from .errors import (
     ChecksumError,
@@ -120,4 +121,5 @@ __all__ = [
     "record",
     "register_adapter",
     "register_format",
+    "register_neutral_form",
 ]

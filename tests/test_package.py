@@ -76,3 +76,71 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
 def test_cli_help(args):
     out = subprocess.run([sys.executable, "-m", "trainrec", *args], capture_output=True, text=True)
     assert out.returncode == 0 and "usage" in out.stdout
+
+
+_BLOCK_FRAMEWORKS = (
+    "import importlib.abc, sys\n"
+    "class Block(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path, target=None):\n"
+    "        if name.partition('.')[0] in ('torch', 'jax', 'jaxlib', 'flax', 'optax'):\n"
+    "            raise ImportError(f'{name} is blocked', name=name)\n"
+    "sys.meta_path.insert(0, Block())\n"
+)
+
+
+def test_adapter_packages_import_without_their_framework_and_say_what_to_install():
+    code = _BLOCK_FRAMEWORKS + (
+        "import trainrec.adapters.torch as trt, trainrec.adapters.jax as trj\n"
+        "assert 'TorchFileRecorder' in dir(trt) and 'JaxModule' in trj.__all__\n"
+        "for mod, name, extra in ((trt, 'TorchFileRecorder', 'trainrec[torch]'), (trj, 'JaxModule', 'trainrec[jax]')):\n"
+        "    try:\n"
+        "        getattr(mod, name)\n"
+        "    except ImportError as e:\n"
+        "        assert extra in str(e) and name in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(name)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_converting_torch_to_jax_needs_neither_framework(tmp_path):
+    """The record conversion is pure numpy: it runs where importing torch, jax, flax or
+    optax fails, and writes the same bytes as in a process that has them."""
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import trainrec
+    import trainrec.adapters.jax as trj
+    from trainrec.convert import convert
+
+    @trainrec.record
+    class Step:
+        n: int
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    acc = trainrec.GradientsAccumulator()
+    source = trainrec.TrainingRecord.capture(model, opt, None, acc, Step(1))
+    params = {"params": {"kernel": jax.numpy.zeros((3, 2)), "bias": jax.numpy.zeros((2,))}}
+    tx = optax.adamw(0.1)
+    template = trainrec.TrainingRecord.capture(trj.JaxModule(params), trj.JaxOptimizer(tx, tx.init(params["params"])),
+                                               None, trainrec.GradientsAccumulator(), Step(0))
+    native = trainrec.NativePrecisionSettings()
+    source.save(trainrec.NamedMpkFileRecorder(native), tmp_path / "src.mpk")
+    template.save(trainrec.NamedMpkFileRecorder(native), tmp_path / "template.mpk")
+    expected = convert(source, template).save(trainrec.NamedMpkBytesRecorder(native))
+    code = _BLOCK_FRAMEWORKS + (
+        "import trainrec\n"
+        "from trainrec.convert import convert\n"
+        "load = lambda p: trainrec.TrainingRecord.load(trainrec.NamedMpkFileRecorder(), p)\n"
+        f"out = convert(load({str(tmp_path / 'src.mpk')!r}), load({str(tmp_path / 'template.mpk')!r}))\n"
+        "sys.stdout.buffer.write(out.save(trainrec.NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())))\n"
+        "bad = [m for m in ('torch', 'jax', 'flax', 'optax') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    assert out.stdout == expected

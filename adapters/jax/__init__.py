@@ -6,19 +6,28 @@ loop reassigns: `JaxModule(params)`, `JaxOptimizer(tx, opt_state)`,
 module)` move gradients between pytrees and `GradientsParams`.
 `FlaxMsgpackFileRecorder` writes flax's msgpack convention (readable by
 `flax.serialization.msgpack_restore`) without needing flax.
+
+Importing this package imports no JAX: each name is loaded on first use (so
+`trainrec.adapters.jax.neutral`, the conversion form, works without JAX installed).
 """
 
-from .bindings import (
-    ADAPTER,
-    JaxAdapter,
-    JaxBackend,
-    JaxLrScheduler,
-    JaxModule,
-    JaxOptimizer,
-    grads_from,
-    to_tree,
-)
-from .recorder import FlaxMsgpackFileRecorder
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .bindings import (
+        ADAPTER,
+        JaxAdapter,
+        JaxBackend,
+        JaxLrScheduler,
+        JaxModule,
+        JaxOptimizer,
+        grads_from,
+        to_tree,
+    )
+    from .recorder import FlaxMsgpackFileRecorder
 
 __all__ = [
     "ADAPTER",
@@ -31,3 +40,26 @@ __all__ = [
     "grads_from",
     "to_tree",
 ]
+
+_HOME = {name: "bindings" for name in __all__}
+_HOME["FlaxMsgpackFileRecorder"] = "recorder"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"{__name__}.{home}")
+    except ImportError as e:
+        if e.name is not None and e.name.partition(".")[0] in ("jax", "jaxlib", "optax", "flax"):
+            raise ImportError(f"trainrec.adapters.jax.{name} needs {e.name.partition('.')[0]}, which is not "
+                              "installed: pip install 'trainrec[jax]'", name=e.name) from e
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

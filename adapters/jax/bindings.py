@@ -25,6 +25,8 @@ from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, T
 from trainrec.items import Item
 from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
 
+from .neutral import TRANSFORMS_KEY
+
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
            "JaxAdapter", "ADAPTER", "key_path", "flatten"]
 
@@ -228,9 +230,6 @@ class JaxModule:
         leaves, treedef = flatten(self.params)
         recorded = _check_tree(expect_kind(record, self.kind, "model"), leaves, "model")
         self.params = _rebuild(leaves, treedef, recorded, device)
-
-
-TRANSFORMS_KEY = "#transforms"
 
 
 def _cells(fn: Any) -> dict[str, Any]:

@@ -5,13 +5,22 @@ Pass your native `nn.Module`, `torch.optim.Optimizer` and scheduler to
 `grads_from(model)` / `set_grads(model, grads)` move gradients between `.grad` and
 `GradientsParams`; `TorchRngRecord` adds torch's generators to `RngRecord`;
 `TorchFileRecorder` writes `.pt` files that `torch.load(weights_only=True)` reads.
+
+Importing this package imports no torch: each name is loaded on first use (so
+`trainrec.adapters.torch.neutral`, the conversion form, works without torch installed).
 """
 
-from .backend import TorchBackend
-from .bindings import ADAPTER, TorchAdapter, TorchLrScheduler, TorchModule, TorchOptimizer
-from .grads import grads_from, set_grads
-from .recorder import BF16PrecisionSettings, TorchFileRecorder, TorchPrecisionSettings
-from .rng import TorchRngRecord
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backend import TorchBackend
+    from .bindings import ADAPTER, TorchAdapter, TorchLrScheduler, TorchModule, TorchOptimizer
+    from .grads import grads_from, set_grads
+    from .recorder import BF16PrecisionSettings, TorchFileRecorder, TorchPrecisionSettings
+    from .rng import TorchRngRecord
 
 __all__ = [
     "ADAPTER",
@@ -27,3 +36,30 @@ __all__ = [
     "grads_from",
     "set_grads",
 ]
+
+_HOME = {
+    "ADAPTER": "bindings", "TorchAdapter": "bindings", "TorchLrScheduler": "bindings",
+    "TorchModule": "bindings", "TorchOptimizer": "bindings", "TorchBackend": "backend",
+    "grads_from": "grads", "set_grads": "grads", "BF16PrecisionSettings": "recorder",
+    "TorchFileRecorder": "recorder", "TorchPrecisionSettings": "recorder", "TorchRngRecord": "rng",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"{__name__}.{home}")
+    except ImportError as e:
+        if e.name is not None and e.name.partition(".")[0] == "torch":
+            raise ImportError(f"trainrec.adapters.torch.{name} needs torch, which is not installed: "
+                              "pip install 'trainrec[torch]'", name=e.name) from e
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

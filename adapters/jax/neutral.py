@@ -1,0 +1,287 @@
+"""The neutral form of JAX records (flax linen variables, optax states); imports no JAX.
+
+Parameters (flax variable names `collection.M.leaf`; `M` is the module path, where a
+`name_i` segment, flax's name for the i-th module of a list attribute, also reads `name.i`):
+
+| flax linen                          | neutral role   | layout                                 |
+| ----------------------------------- | -------------- | -------------------------------------- |
+| `params.M.kernel` 2-D (Dense)       | `dense.kernel` | [in, out] as is                        |
+| `params.M.kernel` 3-5-D (Conv)      | `conv.kernel`  | (*spatial, in, out) as is              |
+| `params.M.kernel` 3-D (attention)   | `dense.kernel` | (d, heads, hd) -> [d, heads*hd]; (heads, hd, d) -> [heads*hd, d] |
+| `params.M.bias`                     | `bias`         | as is; (heads, hd) -> [heads*hd]       |
+| `params.M.scale`                    | `norm.scale`   | as is                                  |
+| `params.M.embedding`                | `embedding`    | as is                                  |
+| `batch_stats.M.mean` / `.var`       | `norm.mean` / `norm.var` |                              |
+
+Optimizers: the algorithm is the one the record's `#transforms` names (the JaxOptimizer
+binding records the optax transforms in chain order): `scale_by_adam` without nesterov
+and with `eps_root=0` (or `inject_hyperparams(adam|adamw)`): "adam" (`mu`, `nu`, `count`);
+`trace` (or `inject_hyperparams(sgd)`): "sgd" (`trace` is the momentum; no dampening),
+with only stateless learning-rate, weight-decay and clipping transforms around it, and
+state leaves exactly `mu`/`nu` or `trace`. Anything else (AMSGrad's `nu_max`,
+AdaBelief, AdaMax, Yogi, NAdam, RAdam, whose states look like Adam's, RMSProp, Lion,
+rss + trace) is a `ConversionError` naming the transforms and state found, as is a record
+without `#transforms` (captured before it was kept), unless forced. A learning rate that
+`optax.inject_hyperparams` keeps as data (`hyperparams.learning_rate`) is the rate held
+as data: a JAX target that injects one gets the source's (refused, unless forced, where
+the source holds none or several).
+
+Schedules: a JaxLrScheduler's `count` (stepped by the caller) or, without one, the counts
+of schedules inside the optax state (e.g. `optax.adamw(warmup_cosine_decay_schedule(...))`),
+which count updates. As a target, the position goes to both, and the update counts of
+Adam (and `inject_hyperparams`) get the optimizer's step. The closed forms differ from
+torch's: torch's CosineAnnealingLR is periodic past T_max while optax's cosine decay
+clamps; OneCycle phase boundaries differ by one step. Use a target schedule that
+reproduces the source's values.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from trainrec.convert import (
+    ConversionError,
+    Neutral,
+    NeutralOptimizer,
+    Rule,
+    ScheduleCount,
+    TargetState,
+    as_count,
+    as_map,
+    tensors_of,
+)
+from trainrec.items import Item
+from trainrec.records import StateRecord
+from trainrec.tensor import TensorData
+from trainrec.training import TrainingRecord
+
+__all__ = ["FORM", "JaxForm", "TRANSFORMS_KEY"]
+
+TRANSFORMS_KEY = "#transforms"  # the optax transforms a JaxOptimizer record names
+# stateless transforms that may come before the algorithm's (as torch's weight decay does
+# for SGD) and after it (the learning rate, AdamW's decoupled decay)
+_BEFORE = frozenset({"add_decayed_weights", "identity", "clip", "clip_by_global_norm"})
+_AFTER = frozenset({"scale", "scale_by_learning_rate", "scale_by_schedule", "add_decayed_weights", "identity"})
+_INJECTED = {"adam": "adam", "adamw": "adam", "sgd": "sgd"}
+_MARKERS = ((".mu.", "first_moment"), (".nu.", "second_moment"), (".trace.", "momentum"))
+
+
+def _is_count(key: str) -> bool:
+    return key == "count" or key.endswith(".count")
+
+
+def _counts(leaves: dict[str, Item]) -> tuple[set[str], set[str]]:
+    """(update counts, schedule counts) of an optax state: the count beside `mu`/`nu`
+    (ScaleByAdamState) or beside `hyperparams` (inject_hyperparams) counts updates; any
+    other count (ScaleByScheduleState, a scheduled hyperparameter's state) is the position
+    of a schedule that lives inside optax."""
+    updates: set[str] = set()
+    schedules: set[str] = set()
+    for key in leaves:
+        if _is_count(key):
+            prefix = key[: -len("count")]
+            siblings = (prefix + "mu.", prefix + "nu.", prefix + "hyperparams.")
+            (updates if any(k.startswith(siblings) for k in leaves) else schedules).add(key)
+    return updates, schedules
+
+
+def _state_field(key: str) -> str:
+    """The optax state field a leaf belongs to: its first key that is no chain index and
+    no `inner_state` (`0.nu_max.fc1.kernel` -> `nu_max`)."""
+    return next((part for part in key.split(".") if not part.isdigit() and part != "inner_state"), key)
+
+
+def _is_injected_rate(key: str) -> bool:
+    return key == "hyperparams.learning_rate" or key.endswith(".hyperparams.learning_rate")
+
+
+def _injected_rate(leaves: dict[str, Item], role: str) -> float | None:
+    """The learning rate an `optax.inject_hyperparams` state holds as data, or None."""
+    found: dict[str, float] = {}
+    for key, value in leaves.items():
+        if _is_injected_rate(key):
+            if isinstance(value, TensorData) and value.shape in ((), (1,)) and value.dtype.is_float:
+                found[key] = float(value.array.reshape(()))
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                found[key] = float(value)
+            else:
+                raise ConversionError(f"{role}.optimizer.{key}: expected one rate, got {value!r}")
+    if len(set(found.values())) > 1:
+        raise ConversionError(f"{role}.optimizer: the injected learning rates disagree ({found})")
+    return next(iter(found.values()), None)
+
+
+def _jax_algo(leaves: dict[str, Item], role: str, force: bool) -> str:
+    """"adam" or "sgd": the algorithm a JaxOptimizer record's `#transforms` name, and whose
+    state leaves are exactly that algorithm's (`mu`/`nu`, or `trace`); "" where it is
+    neither and `force` is given; else `ConversionError` naming what was found."""
+    names = leaves.get(TRANSFORMS_KEY)
+    markers = {_state_field(k) for k, v in leaves.items() if isinstance(v, TensorData)
+               and not _is_count(k) and ".hyperparams." not in f".{k}"}
+    guess = "adam" if markers == {"mu", "nu"} else "sgd" if markers <= {"trace"} else ""
+    if names is None:
+        why = (f"{role}.optimizer names no optax transforms ({TRANSFORMS_KEY}: recorded before "
+               "trainrec kept them), and Adam's state is that of AdaMax, Yogi, NAdam, RAdam or AdaBelief")
+        if not force:
+            raise ConversionError(why + "; capture the record again, or force=True to take it for "
+                                  + (guess or "none of Adam and SGD"))
+        return guess
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConversionError(f"{role}.optimizer.{TRANSFORMS_KEY}: expected a list of names, got {names!r}")
+    algos: list[str] = []
+    unknown: list[str] = []
+    for name in [str(n) for n in names]:
+        base, _, args = name.partition("(")
+        if base == "scale_by_adam" and "nesterov=False" in args and "eps_root=0.0" in args:
+            algos.append("adam")
+        elif base == "trace":
+            algos.append("sgd")
+        elif base.startswith("inject_") and args.rstrip(")") in _INJECTED:
+            algos.append(_INJECTED[args.rstrip(")")])
+        elif base not in (_AFTER if algos else _BEFORE):
+            unknown.append(name)
+    algo = algos[0] if len(algos) == 1 else "" if algos else "sgd"
+    if unknown or len(algos) > 1 or algo != (guess or algo) or (guess == "" and markers):
+        if not force:
+            raise ConversionError(
+                f"{role}.optimizer: optax transforms {names} with state {sorted(markers) or 'none'}: no "
+                "neutral form here (Adam / AdamW: scale_by_adam(nesterov=False, eps_root=0) with "
+                "mu and nu; SGD: trace); build it with optax.adam, adamw or sgd (force=True keeps "
+                "the target's fresh state)")
+        return ""
+    return algo
+
+
+def _flax_paths(path: str) -> list[str]:
+    """`path`, and where flax named a list's modules `name_i`, the same path as `name.i`."""
+    alt = ".".join(re.sub(r"^(.+)_(\d+)$", r"\1.\2", part) for part in path.split(".")) if path else path
+    return [path] if alt == path else [path, alt]
+
+
+class JaxForm:
+    """JAX records: `jax.pytree` models (flax variables), optax states, optax schedules."""
+
+    name = "jax"
+    kinds = ("jax",)
+    keeps_rate = False
+    rng_markers: frozenset[str] = frozenset()
+
+    def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
+        return tensors_of(model.item, f"{role}.model")
+
+    def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
+        collection, _, rest = name.partition(".")
+        module, _, leaf = rest.rpartition(".")
+        rank = len(shape)
+        out: list[Neutral] = []
+        for path in _flax_paths(module):
+            if collection == "params":
+                if leaf == "kernel":
+                    if rank == 2:
+                        out.append(Neutral(path, "dense.kernel"))
+                    if 3 <= rank <= 5:
+                        out.append(Neutral(path, "conv.kernel"))
+                    if rank == 3:  # attention: (d, heads, head_dim) and (heads, head_dim, d)
+                        out += [Neutral(path, "dense.kernel", shape=(shape[0], shape[1] * shape[2])),
+                                Neutral(path, "dense.kernel", shape=(shape[0] * shape[1], shape[2]))]
+                elif leaf == "bias":
+                    out.append(Neutral(path, "bias", shape=(int(np.prod(shape)),) if rank == 2 else None))
+                elif leaf in ("scale", "embedding"):
+                    out.append(Neutral(path, "norm.scale" if leaf == "scale" else "embedding"))
+            elif collection == "batch_stats" and leaf in ("mean", "var"):
+                out.append(Neutral(path, f"norm.{leaf}"))
+        return out
+
+    def preset_rules(self, source: str, target: str) -> list[Rule]:
+        return []
+
+    def read_optimizer(self, record: TrainingRecord[Any], role: str, force: bool) -> NeutralOptimizer:
+        leaves = as_map(record.optimizer.item, f"{role}.optimizer")
+        algo = _jax_algo(leaves, role, force)
+        moments: dict[str, dict[str, TensorData]] = {}
+        if algo:
+            wanted = ("first_moment", "second_moment") if algo == "adam" else ("momentum",)
+            for key, t in leaves.items():
+                for marker, which in _MARKERS:
+                    if which in wanted and marker in f".{key}" and isinstance(t, TensorData):
+                        moments.setdefault("params." + key.split(marker[1:], 1)[1], {})[which] = t
+        counts = [k for k in leaves if k.endswith("count")]
+        mu_prefix = next((k.split(".mu.")[0] for k in leaves if ".mu." in f".{k}"), None)
+        count_key = f"{mu_prefix}.count" if mu_prefix is not None and f"{mu_prefix}.count" in leaves else (
+            counts[0] if counts else None)
+        step = 0 if count_key is None else as_count(leaves[count_key], f"{role}.optimizer.{count_key}")
+        settings: dict[str, Item] = {"maximize": False}
+        if algo == "adam":
+            settings["amsgrad"] = False
+        elif algo == "sgd":
+            settings["dampening"] = 0.0
+            names = leaves.get(TRANSFORMS_KEY)
+            traces = [n for n in names if isinstance(n, str) and n.startswith("trace(")] if isinstance(
+                names, list) else []
+            if traces:
+                settings["nesterov"] = "nesterov=True" in traces[0]
+        return NeutralOptimizer(algo, step, moments, settings, _injected_rate(leaves, role))
+
+    def read_schedule(self, record: TrainingRecord[Any], role: str, problems: list[str]) -> list[ScheduleCount]:
+        sched = record.scheduler
+        out = []
+        if role == "template" or sched is None:
+            leaves = as_map(record.optimizer.item, f"{role}.optimizer")
+            for key in sorted(_counts(leaves)[1]):
+                where = f"{role}.optimizer.{key}"
+                out.append(ScheduleCount(where, as_count(leaves[key], where), True))
+        if sched is not None:
+            item = as_map(sched.item, f"{role}.scheduler")
+            if "count" not in item:
+                if role == "template":
+                    problems.append(f"template.scheduler: a {sched.kind} has no count to carry the position")
+                    return out
+                raise ConversionError(f"{role}.scheduler.count: expected an integer count, got None")
+            out.append(ScheduleCount(f"{role}.scheduler.count",
+                                     as_count(item["count"], f"{role}.scheduler.count"), False))
+        return out
+
+    def write_model(self, template: StateRecord, params: dict[str, TensorData]) -> Item:
+        return {k: params.get(k, v) for k, v in as_map(template.item, "template.model").items()}
+
+    def write_state(self, template: TrainingRecord[Any], state: TargetState) -> tuple[Item, StateRecord | None]:
+        leaves = as_map(template.optimizer.item, "template.optimizer")
+        updates, _ = _counts(leaves)
+        rate = None
+        if _injected_rate(leaves, "template") is not None:
+            rate = state.source_lr
+            if rate is None:
+                state.problems.append("the template injects one learning rate (optax.inject_hyperparams), "
+                                      "the source holds none as data, or several (param groups that differ)")
+        out: dict[str, Item] = {}
+        for key, like in leaves.items():
+            dotted = f".{key}"
+            for marker, which in _MARKERS:
+                if marker in dotted:
+                    param = "params." + key.split(marker[1:], 1)[1]
+                    got = state.moment(param, which, like if isinstance(like, TensorData) else None,
+                                       f"optimizer.{key}")
+                    out[key] = like if got is None else got
+                    break
+            else:
+                if _is_count(key) and isinstance(like, TensorData):
+                    value = state.step if key in updates else state.position
+                    out[key] = TensorData.from_array(np.asarray(value, like.dtype.numpy))  # 0-d
+                elif _is_injected_rate(key) and rate is not None:
+                    out[key] = (TensorData.from_array(np.asarray(rate, like.dtype.numpy).reshape(like.shape))
+                                if isinstance(like, TensorData) else rate)
+                else:
+                    out[key] = like  # hyperparameters and empty states: the target's own
+        scheduler = template.scheduler
+        if scheduler is not None:
+            item = dict(as_map(scheduler.item, "template.scheduler"))
+            if "count" in item:
+                item["count"] = state.position
+            scheduler = StateRecord(scheduler.kind, item)
+        return out, scheduler
+
+
+FORM = JaxForm()

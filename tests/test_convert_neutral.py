@@ -1,0 +1,480 @@
+"""Conversion through neutral forms: the numpy reference adapter and the third-party
+array-api-strict adapter (whose form is found only through its entry point) convert to
+and from torch and JAX with no edit to core. Each run stops mid-window, converts,
+continues in the other framework, and its losses and parameters match an uninterrupted
+run of the first (1e-5 relative)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import trainrec
+from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord
+from trainrec.adapters.numpy import MLP, SGD, Adam, AdamW, LinearWarmupCosineLr, StepLr
+from trainrec.convert import (
+    ConversionError,
+    Neutral,
+    convert,
+    form_for,
+    framework_of,
+    register_neutral_form,
+)
+
+WINDOW, K, M = 2, 5, 8  # stop after micro-step 5: one gradient pending
+SIZES = (4, 8, 3)
+PEAK, WARM, TOTAL = 1e-2, 2, 8
+
+
+@trainrec.record
+class S:
+    micro: int
+
+
+def via_file(record):
+    r = NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())
+    return TrainingRecord.load(r, record.save(r), state_type=S)
+
+
+def batches(n_in=SIZES[0], n_out=SIZES[-1]):
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(K + M, 6, n_in)).astype(np.float32),
+            rng.normal(size=(K + M, 6, n_out)).astype(np.float32))
+
+
+def rate(count):
+    return LinearWarmupCosineLr(PEAK, WARM, TOTAL).lr_at(count)
+
+
+# -- numpy reference runs ----------------------------------------------------------------------
+
+
+class NumpyRun:
+    def __init__(self, opt="adamw", seed=0, scheduler=True):
+        self.model = MLP(SIZES, seed=seed)
+        self.opt = {"adamw": AdamW, "adam": Adam, "sgd": lambda: SGD(momentum=0.9)}[opt]()
+        self.sched = LinearWarmupCosineLr(PEAK, WARM, TOTAL) if scheduler else None
+        self.acc, self.losses = GradientsAccumulator(), []
+
+    def train(self, start, stop, x, y):
+        for i in range(start, stop):
+            loss, grads = self.model.loss_and_grads(x[i], y[i])
+            self.losses.append(loss)
+            self.acc.accumulate(self.model, grads)
+            if (i + 1) % WINDOW == 0:
+                g = self.acc.grads()
+                self.opt.step(self.sched.step(), self.model, GradientsParams({k: v / WINDOW for k, v in g.items()}))
+
+    def record(self, micro):
+        return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
+
+    def restore(self, record):
+        self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
+
+
+def test_numpy_records_claim_the_reference_form_through_its_entry_point():
+    assert framework_of(NumpyRun().record(0)) == "trainrec.numpy"
+
+
+def test_a_record_no_form_claims_names_its_kinds_and_how_to_register_one():
+    record = NumpyRun().record(0)
+    alien = TrainingRecord(trainrec.StateRecord("alien.Net", {}), record.optimizer, record.scheduler,
+                           record.grads, record.state, None)
+    with pytest.raises(ConversionError) as e:
+        convert(alien, record)
+    for said in ("'alien.Net'", "'trainrec.numpy.AdamW'", "register_neutral_form", "trainrec.neutral"):
+        assert said in str(e.value)
+    with pytest.raises(ConversionError, match="nothing to convert"):
+        convert(record, NumpyRun(seed=1).record(0))
+    with pytest.raises(TypeError, match="neutral form"):
+        register_neutral_form(object())  # type: ignore[arg-type]
+
+
+def test_a_registered_form_claims_before_entry_points(monkeypatch):
+    from trainrec import convert as conversion
+    from trainrec.adapters.numpy.neutral import NumpyForm
+
+    class Mine(NumpyForm):
+        name = "mine"
+
+    monkeypatch.setattr(conversion, "_registered", [])
+    register_neutral_form(Mine())
+    assert framework_of(NumpyRun().record(0)) == "mine"
+
+
+def test_neutral_layouts_round_trip():
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    attention = Neutral("attn.query", "dense.kernel", shape=(2, 12))
+    assert attention.neutral_shape(a.shape) == (2, 12)
+    np.testing.assert_array_equal(attention.from_neutral(attention.to_neutral(a), a.shape), a)
+    conv = Neutral("conv", "conv.kernel", (2, 1, 0))
+    assert conv.neutral_shape((5, 4, 3)) == (3, 4, 5)
+    b = np.arange(60).reshape(5, 4, 3)
+    np.testing.assert_array_equal(conv.from_neutral(conv.to_neutral(b), b.shape), b)
+    with pytest.raises(ValueError, match="unknown neutral role"):
+        Neutral("x", "kernel")
+
+
+# -- numpy <-> torch and flax/optax ------------------------------------------------------------
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    import trainrec.adapters.torch as trt
+
+    class TorchMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(SIZES[0], SIZES[1]), torch.nn.Linear(SIZES[1], SIZES[2])])
+
+        def forward(self, x):
+            return self.layers[1](torch.relu(self.layers[0](x)))
+
+    class TorchRun:
+        def __init__(self, opt="adamw", seed=1):
+            torch.manual_seed(seed)
+            self.model = TorchMLP()
+            p = self.model.parameters()
+            self.opt = {"adamw": lambda: torch.optim.AdamW(p, lr=PEAK, eps=1e-8, weight_decay=1e-2),
+                        "adam": lambda: torch.optim.Adam(p, lr=PEAK),
+                        "sgd": lambda: torch.optim.SGD(p, lr=PEAK, momentum=0.9)}[opt]()
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda n: rate(n) / PEAK)
+            self.acc, self.losses = GradientsAccumulator(), []
+
+        def train(self, start, stop, x, y):
+            for i in range(start, stop):
+                loss = torch.nn.functional.mse_loss(self.model(torch.from_numpy(x[i])), torch.from_numpy(y[i]))
+                loss.backward()
+                self.losses.append(loss.item())
+                self.acc.accumulate(self.model, trt.grads_from(self.model))
+                if (i + 1) % WINDOW == 0:
+                    g = self.acc.grads()
+                    trt.set_grads(self.model, GradientsParams({k: v / WINDOW for k, v in g.items()}))
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+                    self.sched.step()
+
+        def record(self, micro):
+            return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
+
+        def restore(self, record):
+            self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
+
+        def params(self):
+            return {k: v.detach().numpy() for k, v in self.model.state_dict().items()}
+
+    return TorchRun
+
+
+def _jax():
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    fnn = pytest.importorskip("flax.linen")
+    import jax.numpy as jnp
+
+    import trainrec.adapters.jax as trj
+
+    class FlaxMLP(fnn.Module):
+        def setup(self):
+            self.layers = [fnn.Dense(SIZES[1]), fnn.Dense(SIZES[2])]  # flax names them layers_0, layers_1
+
+        def __call__(self, x):
+            return self.layers[1](fnn.relu(self.layers[0](x)))
+
+    def schedule(count):
+        return optax.warmup_cosine_decay_schedule(0.0, PEAK, WARM, TOTAL)(count)
+
+    class JaxRun:
+        def __init__(self, opt="adamw", seed=1):
+            self.net = FlaxMLP()
+            variables = self.net.init(jax.random.PRNGKey(seed), jnp.zeros((1, SIZES[0])))
+            self.model = trj.JaxModule(variables)
+            tx = {"adamw": lambda: optax.adamw(schedule, eps=1e-8, weight_decay=1e-2),
+                  "adam": lambda: optax.adam(schedule),
+                  "sgd": lambda: optax.sgd(schedule, momentum=0.9)}[opt]()
+            self.opt = trj.JaxOptimizer(tx, tx.init(variables["params"]))
+            self.acc, self.losses = GradientsAccumulator(), []
+
+        def train(self, start, stop, x, y):
+            def loss_fn(p, xb, yb):
+                return jnp.mean((self.net.apply({"params": p}, xb) - yb) ** 2)
+
+            for i in range(start, stop):
+                loss, g = jax.value_and_grad(loss_fn)(self.model.params["params"], jnp.asarray(x[i]),
+                                                      jnp.asarray(y[i]))
+                self.losses.append(float(loss))
+                self.acc.accumulate(self.model, trj.grads_from(g, self.model))
+                if (i + 1) % WINDOW == 0:
+                    g = self.acc.grads()
+                    tree = trj.to_tree(GradientsParams({k: v / WINDOW for k, v in g.items()}), self.model)
+                    params = self.model.params["params"]
+                    updates, self.opt.opt_state = self.opt.tx.update(tree, self.opt.opt_state, params)
+                    self.model.params = {"params": optax.apply_updates(params, updates)}
+
+        def record(self, micro):
+            return TrainingRecord.capture(self.model, self.opt, None, self.acc, S(micro))
+
+        def restore(self, record):
+            self.acc = record.restore(self.model, self.opt, None, "cpu").accumulator
+
+        def params(self):
+            p = self.model.params["params"]
+            return {f"layers.{i}.{leaf}": np.asarray(p[f"layers_{i}"][leaf]).T if leaf == "kernel"
+                    else np.asarray(p[f"layers_{i}"][leaf]) for i in range(2) for leaf in ("kernel", "bias")}
+
+    return JaxRun
+
+
+# numpy's SGD keeps no step count, so into optax's sgd(schedule), which counts updates, it
+# is refused unless forced (test_an_sgd_without_a_step_count_...)
+@pytest.mark.parametrize(("other", "opt"), [("torch", "adamw"), ("torch", "adam"), ("torch", "sgd"),
+                                            ("jax", "adamw"), ("jax", "adam")])
+def test_numpy_run_continues_in_torch_and_jax_and_back(other, opt):
+    other_run = _torch() if other == "torch" else _jax()
+    x, y = batches()
+    ref = NumpyRun(opt)
+    ref.train(0, K + M, x, y)
+    src = NumpyRun(opt)
+    src.train(0, K, x, y)
+    dst = other_run(opt)
+    converted = via_file(convert(via_file(src.record(K)), dst.record(0)))  # numpy's rate needs no lr=
+    assert converted.grads.grads, "the pending gradient is carried over"
+    dst.restore(converted)
+    middle = K + 3  # stop again mid-window
+    dst.train(K, middle, x, y)
+    np.testing.assert_allclose(dst.losses, ref.losses[K:middle], rtol=1e-5)
+    back = NumpyRun(opt, seed=2)
+    back.restore(via_file(convert(via_file(dst.record(middle)), back.record(0))))
+    back.train(middle, K + M, x, y)
+    np.testing.assert_allclose(back.losses, ref.losses[middle:], rtol=1e-5)
+    for k, v in ref.model.params.items():
+        np.testing.assert_allclose(back.model.params[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    if other == "torch":
+        ahead = other_run(opt)
+        ahead.restore(convert(via_file(ref.record(K + M)), ahead.record(0)))
+        for k, v in ahead.params().items():
+            np.testing.assert_allclose(v, ref.model.params[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_numpy_optimizer_maths_without_a_counterpart_are_refused_unless_forced():
+    jax_run = _jax()
+    x, y = batches()
+    src = NumpyRun("sgd")
+    src.opt = SGD(momentum=0.9, dampening=0.5)
+    src.train(0, K, x, y)
+    with pytest.raises(ConversionError, match="dampening"):
+        convert(src.record(K), jax_run("sgd").record(0))
+    convert(src.record(K), jax_run("sgd").record(0), force=True)
+    adamw = NumpyRun("adamw")
+    adamw.train(0, K, x, y)
+    with pytest.raises(ConversionError, match="source optimizer keeps adam state"):
+        convert(adamw.record(K), jax_run("sgd").record(0))
+    with pytest.raises(ValueError, match="lr is for torch targets"):
+        convert(jax_run("adamw").record(0), NumpyRun().record(0), lr=0.1)
+
+
+def test_a_numpy_schedule_position_without_a_place_is_refused_unless_forced():
+    torch_run = _torch()
+    x, y = batches()
+    src = NumpyRun("adamw")
+    src.sched = StepLr(PEAK, 2)
+    src.train(0, K, x, y)
+    target = torch_run("adamw")
+    target.sched = None
+    template = TrainingRecord.capture(target.model, target.opt, None, target.acc, S(0))
+    with pytest.raises(ConversionError, match="schedule does not carry over"):
+        convert(src.record(K), template)
+    convert(src.record(K), template, force=True)
+
+
+# -- the array-api-strict third-party adapter ----------------------------------------------------
+
+
+def _strict():
+    xp = pytest.importorskip("array_api_strict")
+    strict = pytest.importorskip("trainrec_arraystrict")
+    lr, every, gamma = 0.05, 2, 0.5
+
+    class StrictRun:
+        def __init__(self, seed=0):
+            self.model, self.opt = strict.Linear(5, 3, seed), strict.SGD(0.9)
+            self.sched = strict.StepSchedule(lr, every, gamma)
+            self.acc, self.losses = GradientsAccumulator(), []
+
+        def train(self, start, stop, x, y):
+            for i in range(start, stop):
+                loss, grads = self.model.loss_and_grads(xp.asarray(x[i]), xp.asarray(y[i]))
+                self.losses.append(loss)
+                self.acc.accumulate(self.model, grads)
+                if (i + 1) % WINDOW == 0:
+                    g = self.acc.grads()
+                    self.opt.step(self.sched.step(), self.model, GradientsParams({k: v / WINDOW for k, v in g.items()}))
+
+        def record(self, micro):
+            return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
+
+        def restore(self, record):
+            self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
+
+    return StrictRun, (lr, every, gamma)
+
+
+def _strict_torch(lr, every, gamma):
+    torch = pytest.importorskip("torch")
+    import trainrec.adapters.torch as trt
+
+    class TorchLinear:
+        def __init__(self, seed=1):
+            torch.manual_seed(seed)
+            self.model = torch.nn.Linear(5, 3)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
+            self.sched = torch.optim.lr_scheduler.StepLR(self.opt, every, gamma)
+            self.acc, self.losses = GradientsAccumulator(), []
+
+        def train(self, start, stop, x, y):
+            for i in range(start, stop):
+                loss = torch.nn.functional.mse_loss(self.model(torch.from_numpy(x[i])), torch.from_numpy(y[i]))
+                loss.backward()
+                self.losses.append(loss.item())
+                self.acc.accumulate(self.model, trt.grads_from(self.model))
+                if (i + 1) % WINDOW == 0:
+                    g = self.acc.grads()
+                    trt.set_grads(self.model, GradientsParams({k: v / WINDOW for k, v in g.items()}))
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=True)
+                    self.sched.step()
+
+        def record(self, micro):
+            return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
+
+        def restore(self, record):
+            self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
+
+    return TorchLinear
+
+
+def _strict_jax(lr, every, gamma):
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    import trainrec.adapters.jax as trj
+
+    class JaxLinear:
+        """A linear model as a plain pytree; optax's sgd with its rate from a JaxLrScheduler."""
+
+        def __init__(self, seed=1):
+            key = jax.random.PRNGKey(seed)
+            self.model = trj.JaxModule({"params": {"kernel": jax.random.normal(key, (5, 3)),
+                                                   "bias": jnp.zeros((3,))}})
+            tx = optax.sgd(1.0, momentum=0.9)
+            self.opt = trj.JaxOptimizer(tx, tx.init(self.model.params["params"]))
+            self.sched = trj.JaxLrScheduler(optax.exponential_decay(lr, every, gamma, staircase=True))
+            self.acc, self.losses = GradientsAccumulator(), []
+
+        def train(self, start, stop, x, y):
+            def loss_fn(p, xb, yb):
+                return jnp.mean((xb @ p["kernel"] + p["bias"] - yb) ** 2)
+
+            for i in range(start, stop):
+                loss, g = jax.value_and_grad(loss_fn)(self.model.params["params"], jnp.asarray(x[i]),
+                                                      jnp.asarray(y[i]))
+                self.losses.append(float(loss))
+                self.acc.accumulate(self.model, trj.grads_from(g, self.model))
+                if (i + 1) % WINDOW == 0:
+                    g = self.acc.grads()
+                    tree = trj.to_tree(GradientsParams({k: v / WINDOW for k, v in g.items()}), self.model)
+                    params = self.model.params["params"]
+                    updates, self.opt.opt_state = self.opt.tx.update(tree, self.opt.opt_state, params)
+                    scaled = jax.tree_util.tree_map(functools.partial(jnp.multiply, self.sched.step()), updates)
+                    self.model.params = {"params": optax.apply_updates(params, scaled)}
+
+        def record(self, micro):
+            return TrainingRecord.capture(self.model, self.opt, self.sched, self.acc, S(micro))
+
+        def restore(self, record):
+            self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
+
+    return JaxLinear
+
+
+@pytest.mark.parametrize("other", ["torch", "jax"])
+def test_third_party_arraystrict_run_continues_in_torch_and_jax_and_back(other):
+    strict_run, (lr, every, gamma) = _strict()
+    other_run = (_strict_torch if other == "torch" else _strict_jax)(lr, every, gamma)
+    x, y = batches(5, 3)
+    ref = strict_run()
+    ref.train(0, K + M, x, y)
+    src = strict_run()
+    src.train(0, K, x, y)
+    record = via_file(src.record(K))
+    assert framework_of(record) == "arraystrict" and type(form_for(record)).__module__ == "trainrec_arraystrict.neutral"
+    dst = other_run()
+    position = K // WINDOW
+    rate = lr * gamma ** (position // every)  # the schedule is code: a torch target is told its rate
+    converted = convert(record, dst.record(0), lr=rate) if other == "torch" else convert(record, dst.record(0))
+    dst.restore(via_file(converted))
+    middle = K + 3
+    dst.train(K, middle, x, y)
+    np.testing.assert_allclose(dst.losses, ref.losses[K:middle], rtol=1e-5)
+    back = strict_run(seed=2)
+    back.restore(via_file(convert(via_file(dst.record(middle)), back.record(0))))
+    back.train(middle, K + M, x, y)
+    np.testing.assert_allclose(back.losses, ref.losses[middle:], rtol=1e-5)
+    for k, v in ref.model.params.items():
+        np.testing.assert_allclose(np.asarray(back.model.params[k]), np.asarray(v), rtol=1e-5, atol=1e-6)
+
+
+def test_an_sgd_without_a_step_count_into_a_schedule_counting_updates_is_refused_unless_forced():
+    """array-api-strict's SGD keeps no step count: whether its schedule was stepped once
+    per update cannot be shown, and optax's schedule inside the optimizer counts updates."""
+    strict_run, (lr, every, gamma) = _strict()
+    optax = pytest.importorskip("optax")
+    import trainrec.adapters.jax as trj
+
+    jax_linear = _strict_jax(lr, every, gamma)
+    x, y = batches(5, 3)
+    src = strict_run()
+    src.train(0, K, x, y)
+    dst = jax_linear()
+    tx = optax.sgd(optax.exponential_decay(lr, every, gamma, staircase=True), momentum=0.9)
+    dst.opt = trj.JaxOptimizer(tx, tx.init(dst.model.params["params"]))
+    template = TrainingRecord.capture(dst.model, dst.opt, None, dst.acc, S(0))
+    with pytest.raises(ConversionError, match="keeps no step count"):
+        convert(src.record(K), template)
+    forced = convert(src.record(K), template, force=True).optimizer.item
+    assert [int(v.array) for k, v in forced.items() if k.endswith("count")] == [K // WINDOW]
+
+
+def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
+    """A many-to-one plan (as rules make) takes its moments and pending gradients from all
+    its sources; where one of them has none, the conversion says which."""
+    strict = pytest.importorskip("trainrec_arraystrict")
+    from trainrec import convert as conversion
+    from trainrec.rules import Plan
+
+    def plans(rules, source, target, *, frameworks=None, strict=True):
+        if not rules:
+            return {}, []
+        return {"w": Plan("w", ("layers.0.weight", "layers.0.bias"), (5, 3), lambda a: a[0].T, "packed"),
+                "b": Plan("b", ("layers.0.bias",), (3,), lambda a: a[0], "bias")}, []
+
+    monkeypatch.setattr(conversion, "plan_rules", plans)
+    run = NumpyRun("sgd")
+    run.model, run.opt, run.sched = MLP((5, 3)), SGD(momentum=0.9), StepLr(0.05, 2)
+    x, y = batches(5, 3)
+    run.train(0, K, x, y)
+    record = run.record(K)
+    template = TrainingRecord.capture(strict.Linear(5, 3), strict.SGD(0.9), strict.StepSchedule(0.05, 2, 0.5),
+                                      GradientsAccumulator(), S(0))
+    rules = [conversion.Rule("unused", "unused")]
+    out = convert(record, template, rules=rules)
+    np.testing.assert_array_equal(out.optimizer.item["buffers"]["w"].array,
+                                  run.opt.state["layers.0.weight"]["momentum_buffer"].T)
+    np.testing.assert_array_equal(out.grads.grads["w"].array, record.grads.grads["layers.0.weight"].array.T)
+    del run.opt.state["layers.0.bias"]
+    with pytest.raises(ConversionError, match=r"w is made from \['layers.0.weight', 'layers.0.bias'\], "
+                                              r"and \['layers.0.bias'\] have no momentum"):
+        convert(run.record(K), template, rules=rules)
