@@ -15,9 +15,11 @@ their own layouts and refusals.
 
 Forms are found by the model kind of a record (`NeutralForm.kinds`, dotted prefixes):
 first those given to `register_neutral_form` (newest first), then the entry points of the
-group `trainrec.neutral`, whose name is the form's name (`torch =
-"trainrec.adapters.torch.neutral:FORM"`): those whose name is a dotted prefix of the
-kind, longest first, then the others. Loading a form imports no framework.
+group `trainrec.neutral`, whose name is the form's name (`acme =
+"trainrec_acme.neutral:FORM"`), together with the built-in forms of torch, JAX and the
+numpy reference (`_BUILTIN`, which need no installation metadata; an entry point of the
+same name replaces one): those whose name is a dotted prefix of the kind, longest first,
+then the others. Loading a form imports no framework.
 
 Parameters: every target tensor gets one `Plan` (`trainrec.rules`): user rules first
 (a rule that matches but does not fit is a problem), then the preset rules of the source
@@ -265,6 +267,13 @@ def tensors_of(item: Item, key: str) -> dict[str, TensorData]:
 
 _registered: list[NeutralForm] = []
 _loaded: dict[str, NeutralForm] = {}
+# the built-in adapters' forms (the one place core names adapter modules): found with no
+# installation metadata, after every registered and entry-point form
+_BUILTIN: dict[str, str] = {
+    "torch": "trainrec.adapters.torch.neutral:FORM",
+    "jax": "trainrec.adapters.jax.neutral:FORM",
+    "trainrec.numpy": "trainrec.adapters.numpy.neutral:FORM",
+}
 
 
 def register_neutral_form(form: NeutralForm) -> None:
@@ -297,6 +306,8 @@ def form_for(record: TrainingRecord[Any], role: str = "record") -> NeutralForm:
         if _claims(form, kind):
             return form
     eps = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    eps += [metadata.EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in _BUILTIN.items()
+            if name not in {ep.name for ep in eps}]
     prefixes = sorted((ep for ep in eps if kind == ep.name or kind.startswith(ep.name + ".")),
                       key=lambda ep: -len(ep.name))
     for ep in prefixes + [ep for ep in eps if ep not in prefixes]:

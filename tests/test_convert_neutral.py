@@ -478,3 +478,23 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
     with pytest.raises(ConversionError, match=r"w is made from \['layers.0.weight', 'layers.0.bias'\], "
                                               r"and \['layers.0.bias'\] have no momentum"):
         convert(run.record(K), template, rules=rules)
+
+
+def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):
+    """torch, JAX and numpy records convert from a source tree with no entry points
+    installed (PYTHONPATH use, a stale egg-info): the registry's defaults find them."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    import trainrec.convert as tc
+
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
+    monkeypatch.setattr(tc, "_loaded", {})
+    for kind, name in [("torch.nn.Module", "torch"), ("jax.pytree", "jax"),
+                       ("trainrec.numpy.MLP", "trainrec.numpy")]:
+        rec = SimpleNamespace(model=SimpleNamespace(kind=kind))
+        assert tc.form_for(rec).name == name
+    unknown = SimpleNamespace(model=SimpleNamespace(kind="acme.Net"), optimizer=SimpleNamespace(kind="acme.SGD"),
+                              scheduler=None)
+    with pytest.raises(tc.ConversionError, match="acme.Net"):
+        tc.form_for(unknown)
