@@ -445,7 +445,8 @@ def _convert(args: argparse.Namespace) -> int:
                     _regular_file(given)
                 rules += load_rules(given)
             lr = None if args.lr is None else args.lr[0] if len(args.lr) == 1 else args.lr
-            converted = convert(source, template, rules=rules or None, force=args.force,
+            # convert() still names its own Rule until the engine takes trainrec.rules' (issue 17)
+            converted = convert(source, template, rules=rules or None, force=args.force,  # type: ignore[arg-type]
                                 drop_rng=args.drop_rng, lr=lr, allow_lossy=args.allow_lossy)
             converted.save(_recorder_for(args.dst), args.dst)
             summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,
