@@ -220,7 +220,9 @@ class Rule:
             problems.append("'names' must be a map {group: {captured: name}}")
         else:
             for group, table in self.names.items():
-                if not (isinstance(table, Mapping) and all(
+                if not isinstance(group, str):
+                    problems.append(f"names: {group!r} must be a group's name or number as a string")
+                elif not (isinstance(table, Mapping) and all(
                         isinstance(k, str) and isinstance(v, str) for k, v in table.items())):
                     problems.append(f"names[{group!r}] must be a map of strings to strings")
                 elif regexes and not (group in regexes[0].groupindex
@@ -490,6 +492,9 @@ def plan_rules(rules: Sequence[Rule], source: Mapping[str, Shape], target: Mappi
                         break
                     continue
                 names = got
+                first = rule._values(rule._regexes[0].fullmatch(names[0]))  # type: ignore[arg-type]
+                assert first is not None  # indexed only where `names` lists its values
+                values = first  # the template's groups are those of the first expression
             outs = [_expand(t, values) for t in rule._targets]
             misfit = _misfit(rule, why, names, outs, source, target)
             if isinstance(misfit, str):

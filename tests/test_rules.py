@@ -190,6 +190,13 @@ def test_many_to_one_starts_from_any_of_its_sources_and_takes_them_all(tmp_path)
     assert problems == [] and plans["x.in_proj_weight"].sources == ("x.q", "x.k", "x.v")
 
 
+def test_a_many_to_one_rule_names_its_target_from_its_first_source():
+    """Numbered groups are those of the first expression, whichever source starts the rule."""
+    join = Rule((r"(?P<m>\w+)\.q(\d)", r"(?P<m>\w+)\.k"), r"\g<m>.qk\2", reshape=True)
+    plans, problems = plan_rules([join], {"x.k": (2,), "x.q7": (2,)}, {"x.qk7": (4,)})
+    assert problems == [] and plans["x.qk7"].sources == ("x.q7", "x.k")
+
+
 def test_a_many_to_one_rule_missing_a_source_is_a_problem_or_passed_over(tmp_path):
     join = one(tmp_path, JOIN)
     src = {"x.q": (8, 2, 4), "x.k": (8, 2, 4)}
@@ -264,6 +271,7 @@ def test_from_and_to_restrict_a_rule_to_frameworks(tmp_path):
     ({"match": "a", "replace": r"\n"}, "bad escape"),
     ({"match": "a", "replace": "b", "names": {"p": {"q": "query"}}}, "names['p']: no such group in match"),
     ({"match": "(?P<p>a)", "replace": "b", "names": {"p": ["q"]}}, "names['p'] must be a map"),
+    ({"match": "(?P<p>a)", "replace": "b", "names": ["p"]}, "'names' must be a map"),
     ({"match": "a", "replace": "b", "axes": {"h": 2}}, "'axes' without 'rearrange'"),
     ({"match": "a", "replace": "b", "rearrange": "h d -> d h", "axes": {"x": 2}}, "axes ['x'] are not in the pattern"),
     ({"match": "a", "replace": "b", "rearrange": "h d -> d h", "axes": {"h": 0}}, "sizes > 0"),
@@ -463,7 +471,7 @@ def test_attention_presets_reproduce_flax_from_torch_and_torch_from_flax(kind):
 
     plans, _ = plan_rules(PRESETS["attention"], shapes(flax_params), shapes(torch_params),
                           frameworks=("jax", "torch"), strict=False)
-    net.load_state_dict({k: torch.from_numpy(v) for k, v in apply(plans, flax_params).items()})
+    net.load_state_dict({k: torch.tensor(v) for k, v in apply(plans, flax_params).items()})
     with torch.no_grad():
         torch_out = torch_fn(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(torch_out, np.asarray(flax_net.apply(_nest(flax_params), x)), rtol=1e-5, atol=1e-5)
