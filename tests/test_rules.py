@@ -4,6 +4,7 @@ attention presets against real torch and flax modules."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -380,6 +381,11 @@ def test_cli_rules_files_repeat_and_map_is_a_deprecated_alias(tmp_path):
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     missing = cli("--rules", tmp_path / "nope.json")
     assert missing.returncode == 3 and "nope.json" in missing.stderr
+    os.mkfifo(tmp_path / "fifo")  # would block a read forever
+    fifo = subprocess.run([sys.executable, "-m", "trainrec", "convert", str(tmp_path / "src.mpk"),
+                           str(tmp_path / "dst.mpk"), "--to", "jax", "--template", str(tmp_path / "t.mpk"),
+                           "--rules", str(tmp_path / "fifo")], capture_output=True, text=True, timeout=60)
+    assert fifo.returncode == 3 and "not a regular file" in fifo.stderr
 
 
 # -- the attention presets on real modules ---------------------------------------------------
