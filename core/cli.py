@@ -95,7 +95,13 @@ def _main(argv: Sequence[str] | None) -> int:
     con.add_argument("dst")
     con.add_argument("--to", required=True, choices=["torch", "jax", "mpk"])
     con.add_argument("--template", help="record file of the target framework (for --to torch|jax)")
-    con.add_argument("--map", help="JSON rules file: {\"rules\": [{\"match\", \"replace\", \"transform\"}]}")
+    con.add_argument("--rules", action="append", metavar="FILE",
+                     help="conversion rules: a JSON file {\"rules\": [{\"match\", \"replace\", ...}]} "
+                          "(regex renames with backreferences and name maps, einops rearrange "
+                          "patterns, reshape, registered transforms, one-to-many and many-to-one; "
+                          "spec/CONVERSION.md), or a built-in preset's name (attention); repeat it "
+                          "for several: they are tried in the order given, before the built-in ones")
+    con.add_argument("--map", help="deprecated spelling of --rules (one file)")
     con.add_argument("--force", action="store_true", help="convert even where the optimizer maths differ")
     con.add_argument("--lr", type=float, nargs="+", metavar="RATE",
                      help="the learning rate at the record's schedule position (one, or one per "
@@ -383,9 +389,10 @@ def _recorder_for(path: str) -> Any:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import ConversionError, convert, framework_of, load_rules
+    from .convert import ConversionError, convert, framework_of
     from .items import iter_tensors, map_tensors
     from .recorders import read_file
+    from .rules import PRESETS, load_rules
     from .training import TrainingRecord
 
     try:
@@ -421,9 +428,15 @@ def _convert(args: argparse.Namespace) -> int:
                 print(f"trainrec convert: the template is a {framework_of(template)} record, not {args.to}",
                       file=sys.stderr)
                 return 2
-            rules = load_rules(args.map) if args.map else None
+            if args.map:
+                print("trainrec convert: note: --map is deprecated, use --rules", file=sys.stderr)
+            rules = []
+            for given in (args.rules or []) + ([args.map] if args.map else []):
+                if given not in PRESETS or os.path.exists(given):
+                    _regular_file(given)
+                rules += load_rules(given)
             lr = None if args.lr is None else args.lr[0] if len(args.lr) == 1 else args.lr
-            converted = convert(source, template, rules=rules, force=args.force,
+            converted = convert(source, template, rules=rules or None, force=args.force,
                                 drop_rng=args.drop_rng, lr=lr, allow_lossy=args.allow_lossy)
             converted.save(_recorder_for(args.dst), args.dst)
             summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,

@@ -1,41 +1,66 @@
-"""Conversion rules: source tensor names to target tensor names, as `Plan`s.
+"""Conversion rules: which target tensors are made from which source tensors, and how.
 
-Minimal version (the agreed interface only): `Rule` (a regex `match`, its `replace`
-and a named `transform` from `TRANSFORMS`), `load_rules` (a JSON rules file) and
-`plan_rules`, which turns rules into one `Plan` per target tensor they reach.
+A rule matches source tensor names with a regular expression (a full match) and names its
+target with backreferences, optionally through a name map (`q` -> `query`); an einops
+pattern (`"(h d) i -> i h d"`, axis sizes read from the target's shape), a reshape to the
+target's shape or a registered transform changes the layout. One source may make several
+targets (a packed `in_proj_weight` -> query, key and value kernels) and several sources
+one target (the inverse). The language is specified in `spec/CONVERSION.md`.
+
+`plan_rules` turns rules and the two sides' shapes into `Plan`s, one per target tensor: a
+conversion engine applies each plan's `fn` to parameters, to optimizer moments (which
+share their parameter's layout) and to pending gradients alike.
+
+Resolution order: for each source name, in the order given, the rules are tried in the
+order given; the first rule that matches the name (and applies to the frameworks) decides
+it. A source that an earlier plan already took (one of several sources of a many-to-one
+rule) is not tried again. Transforms are found by name in `TRANSFORMS`, which holds the
+built-in ones and those given to `register_transform`; built-in rule sets are `PRESETS`,
+read from the JSON files in `trainrec/presets/` (their file names are their names).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import einops
 import numpy as np
 
-__all__ = ["Plan", "Rule", "TRANSFORMS", "load_rules", "plan_rules"]
+# einops' own parser of a pattern's sides: a pattern is checked when its rule is made
+from einops.parsing import ParsedExpression
+
+__all__ = ["Plan", "Rule", "TRANSFORMS", "PRESETS", "register_transform", "load_rules", "plan_rules"]
+
+HostArray = np.ndarray[Any, Any]
+Shape = tuple[int, ...]
+Transform = Callable[[HostArray], HostArray]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How one target tensor is made: `fn` takes the arrays of `sources` (in that order)
-    and returns the target's array, of `shape`; `why` says which rule or form chose it."""
+    """How one target tensor is made from source tensors."""
 
-    target: str
-    sources: tuple[str, ...]
-    shape: tuple[int, ...]
-    fn: Callable[[Sequence[np.ndarray[Any, Any]]], np.ndarray[Any, Any]]
-    why: str
+    target: str  # target tensor name
+    sources: tuple[str, ...]  # source tensor names (>= 1), in the order fn takes them
+    shape: Shape  # the shape fn returns (the target's)
+    fn: Callable[[Sequence[HostArray]], HostArray]  # source arrays -> target array
+    why: str  # for messages: which rule, which operation
 
 
-def _transpose2(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+# -- transforms -----------------------------------------------------------------------------
+
+
+def _transpose2(a: HostArray) -> HostArray:
     return a.T if a.ndim == 2 else a
 
 
-TRANSFORMS: dict[str, Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]] = {
+TRANSFORMS: dict[str, Transform] = {
     "none": lambda a: a,
     "transpose": _transpose2,
     "oihw_to_hwio": lambda a: a.transpose(2, 3, 1, 0),
@@ -43,84 +68,485 @@ TRANSFORMS: dict[str, Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]] = 
     "oiw_to_wio": lambda a: a.transpose(2, 1, 0),
     "wio_to_oiw": lambda a: a.transpose(2, 1, 0),
 }
+_SHAPES: dict[str, Callable[[Shape], Shape]] = {}
+
+
+def register_transform(name: str, fn: Transform, *,
+                       shape: Callable[[Shape], Shape] | None = None) -> None:
+    """Make `fn` (a host array -> a host array, pure) usable as `"transform": name` in rules.
+
+    `shape` maps a source shape to the shape `fn` returns; without it, the shape is found
+    by calling `fn` on a read-only array of that shape whose elements all share one byte.
+    Raises `TypeError` for a name that is not a string or an `fn` / `shape` that is not
+    callable, `ValueError` for an empty name or one already registered (a transform is
+    never replaced: a rule file means the same thing all run long).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"a transform's name must be a string, got {type(name).__name__}")
+    if not name:
+        raise ValueError("a transform's name must not be empty")
+    if not callable(fn):
+        raise TypeError(f"transform {name!r}: fn must be callable, got {type(fn).__name__}")
+    if shape is not None and not callable(shape):
+        raise TypeError(f"transform {name!r}: shape must be callable, got {type(shape).__name__}")
+    if name in TRANSFORMS:
+        raise ValueError(f"transform {name!r} is already registered")
+    TRANSFORMS[name] = fn
+    if shape is not None:
+        _SHAPES[name] = shape
+
+
+def _dummy(shape: Shape) -> HostArray:
+    """A read-only array of `shape` that takes one byte: for finding result shapes."""
+    return np.broadcast_to(np.zeros((), np.uint8), shape)
+
+
+# -- templates: replacement strings with backreferences ------------------------------------
+
+_ESCAPE = re.compile(r"\\(?:g<([^>]*)>|(\d{1,2})|(.)|$)", re.S)
+_Ref = str | int  # a group's name or number
+
+
+def _parse_template(template: str, pattern: re.Pattern[str]) -> list[str | tuple[_Ref]]:
+    """Literal text and group references (as 1-tuples); `ValueError` for an escape other
+    than `\\N`, `\\g<N>`, `\\g<name>` and `\\\\`, or a group the pattern lacks."""
+    parts: list[str | tuple[_Ref]] = []
+    pos = 0
+    for m in _ESCAPE.finditer(template):
+        parts.append(template[pos:m.start()])
+        pos = m.end()
+        name, number, other = m.groups()
+        if other == "\\":
+            parts.append("\\")
+            continue
+        if name is None and number is None:
+            raise ValueError(f"bad escape {m.group(0)!r} at {m.start()}")
+        ref: _Ref = int(name or number) if (name or number or "").isdigit() else name
+        if isinstance(ref, int) and ref > pattern.groups or isinstance(ref, str) and ref not in pattern.groupindex:
+            raise ValueError(f"{m.group(0)!r}: no such group in the pattern")
+        parts.append((ref,))
+    parts.append(template[pos:])
+    return [p for p in parts if p != ""]
+
+
+def _expand(parts: Sequence[str | tuple[_Ref]], values: Mapping[_Ref, str]) -> str:
+    return "".join(p if isinstance(p, str) else values[p[0]] for p in parts)
+
+
+# -- rules ----------------------------------------------------------------------------------
+
+_RULE_KEYS = ("match", "sources", "replace", "targets", "transform", "rearrange", "reshape", "axes",
+              "names", "from", "to", "comment")
+
+
+def _split_pattern(pattern: str) -> tuple[ParsedExpression, ParsedExpression]:
+    if pattern.count("->") != 1:
+        raise ValueError("expected one '->'")
+    left, right = (ParsedExpression(side.strip()) for side in pattern.split("->"))
+    only = {str(a) for a in left.identifiers ^ right.identifiers}
+    if only:
+        raise ValueError(f"axes only on one side: {sorted(only)}")
+    return left, right
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A user rule: source names matching `match` (a regex, full match) map to
-    `re.sub(match, replace, name)` in the target, with `transform` applied."""
+    """Source names fully matching `match` make the target named by `replace`.
 
-    match: str
-    replace: str
+    `match` is one regular expression, or several (many-to-one: the sources are stacked on
+    a new leading axis in this order; they belong together when their named groups capture
+    the same values). `replace` is one target name template (`\\1`, `\\g<name>`), or
+    several (one-to-many: the result's leading axis is split across them). `names` maps a
+    group's captured values to other names before they are substituted (a value it does not
+    list: the rule does not match). At most one layout operation: `rearrange` (an einops
+    pattern; axis sizes come from the target's shape, then from `axes`), `reshape` (to the
+    target's shape) or `transform` (a name in `TRANSFORMS`; "none" is no operation).
+    `from_` / `to` restrict the rule to a source / target framework.
+    Raises `ValueError` naming every field that is wrong.
+    """
+
+    match: str | tuple[str, ...]
+    replace: str | tuple[str, ...]
     transform: str = "none"
+    rearrange: str | None = None
+    reshape: bool = False
+    axes: Mapping[str, int] = field(default_factory=dict, hash=False)
+    names: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
+    from_: str | None = None
+    to: str | None = None
+    origin: str = field(default="", compare=False)  # where it was read, for messages
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False, hash=False)
+    _targets: tuple[list[str | tuple[_Ref]], ...] = field(init=False, repr=False, compare=False, hash=False)
+    _output: ParsedExpression | None = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if self.transform not in TRANSFORMS:
-            raise ValueError(f"unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}")
-        re.compile(self.match)
+        problems: list[str] = []
+        matches = (self.match,) if isinstance(self.match, str) else tuple(self.match)
+        replaces = (self.replace,) if isinstance(self.replace, str) else tuple(self.replace)
+        field_of = ("match",) if isinstance(self.match, str) else tuple(
+            f"sources[{i}]" for i in range(len(matches)))
+        target_of = ("replace",) if isinstance(self.replace, str) else tuple(
+            f"targets[{i}]" for i in range(len(replaces)))
+        if not isinstance(self.match, str) and len(matches) < 2:
+            problems.append("'sources' needs two regular expressions or more (one: use 'match')")
+        if not isinstance(self.replace, str) and len(replaces) < 2:
+            problems.append("'targets' needs two names or more (one: use 'replace')")
+        if len(matches) > 1 and len(replaces) > 1:
+            problems.append("'sources' and 'targets' together: a rule makes one target from many "
+                            "sources, or many targets from one")
+        regexes: list[re.Pattern[str]] = []
+        for where, regex in zip(field_of, matches):
+            if not isinstance(regex, str):
+                problems.append(f"{where!r} must be a string")
+                continue
+            try:
+                regexes.append(re.compile(regex))
+            except re.error as e:
+                problems.append(f"{where} {regex!r} is not a regular expression ({e})")
+        if len(regexes) == len(matches) > 1:
+            groups = [set(r.groupindex) for r in regexes]
+            if any(g != groups[0] for g in groups):
+                problems.append(f"'sources' must all have the same named groups, got {[sorted(g) for g in groups]}")
+        targets: list[list[str | tuple[_Ref]]] = []
+        for where, template in zip(target_of, replaces):
+            if not isinstance(template, str):
+                problems.append(f"{where!r} must be a string")
+            elif regexes:
+                try:
+                    targets.append(_parse_template(template, regexes[0]))
+                except ValueError as e:
+                    problems.append(f"{where} {template!r}: {e}")
+        if not isinstance(self.names, Mapping):
+            problems.append("'names' must be a map {group: {captured: name}}")
+        else:
+            for group, table in self.names.items():
+                if not isinstance(group, str):
+                    problems.append(f"names: {group!r} must be a group's name or number as a string")
+                elif not (isinstance(table, Mapping) and all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in table.items())):
+                    problems.append(f"names[{group!r}] must be a map of strings to strings")
+                elif regexes and not (group in regexes[0].groupindex
+                                      or group.isdigit() and 0 < int(group) <= regexes[0].groups):
+                    problems.append(f"names[{group!r}]: no such group in {field_of[0]}")
+        if not isinstance(self.transform, str):
+            problems.append("'transform' must be a string")
+        elif self.transform not in TRANSFORMS:
+            problems.append(f"unknown transform {self.transform!r}; known: {sorted(TRANSFORMS)}")
+        if not isinstance(self.reshape, bool):
+            problems.append("'reshape' must be true or false")
+        operations = [op for op, given in (("rearrange", self.rearrange is not None),
+                                           ("reshape", self.reshape is True),
+                                           ("transform", self.transform != "none")) if given]
+        if len(operations) > 1:
+            problems.append(f"{' and '.join(repr(op) for op in operations)} together: at most one")
+        output = None
+        if self.rearrange is not None:
+            if not isinstance(self.rearrange, str):
+                problems.append("'rearrange' must be a string")
+            else:
+                try:
+                    output = _split_pattern(self.rearrange)[1]
+                except (ValueError, einops.EinopsError) as e:
+                    problems.append(f"rearrange {self.rearrange!r} is not an einops pattern ({e})")
+        if not isinstance(self.axes, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+                for k, v in self.axes.items()):
+            problems.append("'axes' must be a map of axis names to sizes > 0")
+        elif self.axes and self.rearrange is None:
+            problems.append("'axes' without 'rearrange'")
+        elif output is not None and set(self.axes) - output.identifiers:
+            problems.append(f"axes {sorted(set(self.axes) - output.identifiers)} are not in the pattern")
+        for key, value in (("from", self.from_), ("to", self.to)):
+            if value is not None and not (isinstance(value, str) and value):
+                problems.append(f"{key!r} must be a framework name")
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "_regexes", tuple(regexes))
+        object.__setattr__(self, "_targets", tuple(targets))
+        object.__setattr__(self, "_output", output)
+
+    def applies(self, frameworks: tuple[str, str] | None) -> bool:
+        """Whether the rule is for converting between these (source, target) frameworks."""
+        return frameworks is None or ((self.from_ in (None, frameworks[0])) and (self.to in (None, frameworks[1])))
+
+    def describe(self, index: int) -> str:
+        """The rule for messages: where it comes from and its layout operation."""
+        op = (f" {self.rearrange!r}" if self.rearrange is not None else " reshape" if self.reshape
+              else f" transform {self.transform!r}" if self.transform != "none" else "")
+        return f"{self.origin or f'rule {index}'}{op}"
+
+    def _values(self, m: re.Match[str]) -> dict[_Ref, str] | None:
+        """The match's groups (by name and number), through `names`; None where `names`
+        does not list a captured value."""
+        values: dict[_Ref, str] = {i: v or "" for i, v in enumerate(m.groups(), 1)}
+        values[0] = m.group(0)
+        values.update({k: v or "" for k, v in m.groupdict().items()})
+        for group, table in self.names.items():
+            ref = int(group) if group.isdigit() else group
+            if values[ref] not in table:
+                return None
+            values[ref] = table[values[ref]]
+            if isinstance(ref, str):
+                values[m.re.groupindex[ref]] = values[ref]
+            else:
+                for name, number in m.re.groupindex.items():
+                    if number == ref:
+                        values[name] = values[ref]
+        return values
+
+    def _find(self, name: str) -> tuple[int, dict[_Ref, str]] | None:
+        """(which of `match` the name matches, its group values), or None."""
+        for i, regex in enumerate(self._regexes):
+            m = regex.fullmatch(name)
+            if m is not None:
+                values = self._values(m)
+                if values is not None:
+                    return i, values
+        return None
 
 
-def load_rules(path: str | Path) -> list[Rule]:
-    """Rules from a JSON file `{"rules": [{"match", "replace", "transform"?}, ...]}`.
-    Raises `ValueError` naming every rule that is not such a map of strings, whose
-    `match` is not a regular expression or whose `transform` is unknown."""
-    data = json.loads(Path(path).read_text())
+def _rule_from(entry: Any) -> Rule:
+    """A `Rule` from one JSON entry; `ValueError` naming every wrong key."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"expected a map {{\"match\", \"replace\", ...}}, got {type(entry).__name__}")
+    problems = [f"unknown key {k!r}" for k in sorted(set(entry) - set(_RULE_KEYS))]
+    for one, many in (("match", "sources"), ("replace", "targets")):
+        if one in entry and many in entry:
+            problems.append(f"{one!r} and {many!r} together: give one")
+        elif one not in entry and many not in entry:
+            problems.append(f"missing {one!r} (or {many!r})")
+        elif one in entry and not isinstance(entry[one], str):
+            problems.append(f"{one!r} must be a string")
+        elif many in entry and not (isinstance(entry[many], list) and all(isinstance(s, str) for s in entry[many])):
+            problems.append(f"{many!r} must be a list of strings")
+    for key in ("transform", "rearrange", "from", "to", "comment"):
+        if key in entry and not isinstance(entry[key], str):
+            problems.append(f"{key!r} must be a string")
+    if problems:
+        raise ValueError("; ".join(problems))
+    match = entry["match"] if "match" in entry else tuple(entry["sources"])
+    replace = entry["replace"] if "replace" in entry else tuple(entry["targets"])
+    return Rule(match, replace, entry.get("transform", "none"), entry.get("rearrange"),
+                entry.get("reshape", False), entry.get("axes", {}), entry.get("names", {}),
+                entry.get("from"), entry.get("to"))
+
+
+def _rules_from(data: Any, where: str) -> list[Rule]:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
-        raise ValueError(f"{path}: expected {{\"rules\": [...]}}")
+        raise ValueError(f"{where}: expected {{\"rules\": [...]}}")
+    unknown = sorted(set(data) - {"rules", "description"})
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (a rules file holds \"rules\" and "
+                         "\"description\")")
     rules, problems = [], []
-    for i, r in enumerate(data["rules"]):
-        where = f"{path}: rules[{i}]"
-        if not isinstance(r, dict):
-            problems.append(f"{where}: expected a map {{\"match\", \"replace\", \"transform\"?}}, "
-                            f"got {type(r).__name__}")
-            continue
-        unknown = sorted(set(r) - {"match", "replace", "transform"})
-        missing = [k for k in ("match", "replace") if k not in r]
-        wrong = [k for k in ("match", "replace", "transform") if k in r and not isinstance(r[k], str)]
-        if unknown or missing or wrong:
-            problems.append(f"{where}: " + "; ".join(
-                [f"missing {k!r}" for k in missing] + [f"unknown key {k!r}" for k in unknown]
-                + [f"{k!r} must be a string" for k in wrong]))
-            continue
+    for i, entry in enumerate(data["rules"]):
         try:
-            rules.append(Rule(r["match"], r["replace"], r.get("transform", "none")))
-        except re.error as e:
-            problems.append(f"{where}: match {r['match']!r} is not a regular expression ({e})")
+            rule = _rule_from(entry)
         except ValueError as e:
-            problems.append(f"{where}: {e}")
+            problems.append(f"{where}: rules[{i}]: {e}")
+        else:
+            object.__setattr__(rule, "origin", f"{where}: rules[{i}]")
+            rules.append(rule)
     if problems:
         raise ValueError("bad conversion rules: " + "; ".join(problems))
     return rules
 
 
-def _one(transform: str) -> Callable[[Sequence[np.ndarray[Any, Any]]], np.ndarray[Any, Any]]:
-    return lambda arrays: TRANSFORMS[transform](arrays[0])
+def load_rules(path: str | Path) -> list[Rule]:
+    """Rules from a JSON file `{"rules": [...], "description"?: "..."}` (spec/CONVERSION.md),
+    or the built-in set `PRESETS[path]` where `path` names no file but a preset.
+
+    Raises `ValueError` naming the file, and every rule that is wrong with its index and
+    field (an unknown key, a regex that does not compile, a backreference to no group, a
+    pattern einops cannot parse, two layout operations, an unknown transform, ...);
+    `OSError` where the file cannot be read.
+    """
+    p = Path(path)
+    if not p.exists() and str(path) in PRESETS:
+        return list(PRESETS[str(path)])
+    text = p.read_text()
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    return _rules_from(data, str(path))
 
 
-def plan_rules(rules: Sequence[Rule], source: Mapping[str, tuple[int, ...]],
-               target: Mapping[str, tuple[int, ...]], *, frameworks: tuple[str, str] | None = None,
+# -- planning -------------------------------------------------------------------------------
+
+
+def _bind(output: ParsedExpression, shape: Shape) -> dict[str, int]:
+    """Axis sizes of the pattern's output side that stand alone in a dimension: the
+    target's sizes there (axes before an ellipsis count from the front, after it from the
+    back)."""
+    groups = list(output.composition)
+    bound: dict[str, int] = {}
+    cut = groups.index("…") if "…" in groups else len(groups)
+    placed = list(zip(groups[:cut], shape)) + list(zip(groups[cut + 1:][::-1], shape[::-1]))
+    for group, size in placed:
+        if isinstance(group, list) and len(group) == 1 and isinstance(group[0], str):
+            bound[group[0]] = size
+    return bound
+
+
+def _layout(rule: Rule, shape: Shape, want: Shape) -> tuple[Transform, Shape] | str:
+    """The rule's operation on an array of `shape` for a result of shape `want`, and the
+    shape it gives; or why it cannot be applied."""
+    if rule.rearrange is not None:
+        assert rule._output is not None
+        axes = {**_bind(rule._output, want), **rule.axes}
+        pattern = rule.rearrange
+        try:
+            got = einops.rearrange(_dummy(shape), pattern, **axes).shape
+        except einops.EinopsError as e:
+            reason = " ".join(str(e).split())
+            return reason[reason.find("Additional info"):] if "Additional info" in reason else reason
+        return (lambda a: einops.rearrange(a, pattern, **axes)), tuple(got)
+    if rule.reshape:
+        if math.prod(shape) != math.prod(want):
+            return f"reshape: {math.prod(shape)} elements, the target has {math.prod(want)}"
+        return (lambda a: a.reshape(want)), want
+    fn = TRANSFORMS[rule.transform]
+    try:
+        got = _SHAPES[rule.transform](shape) if rule.transform in _SHAPES else fn(_dummy(shape)).shape
+    except Exception as e:  # a user's function failing on this shape: its reason, in the problem
+        return f"transform {rule.transform!r} fails on this shape ({type(e).__name__}: {e})"
+    return fn, tuple(got)
+
+
+def _plan_fn(op: Transform, count: int, part: int | None) -> Callable[[Sequence[HostArray]], HostArray]:
+    def fn(arrays: Sequence[HostArray]) -> HostArray:
+        if len(arrays) != count:
+            raise ValueError(f"expected {count} source arrays, got {len(arrays)}")
+        out = op(arrays[0] if count == 1 else np.stack(arrays))
+        return np.ascontiguousarray(out if part is None else out[part])
+
+    return fn
+
+
+def _sources(rule: Rule, name: str, which: int, source: Mapping[str, Shape], taken: set[str],
+             index: dict[tuple[int, tuple[tuple[str, str], ...]], list[str]]) -> list[str] | tuple[str, bool]:
+    """The sources of a many-to-one rule that `name` (matching `rule.match[which]`) belongs
+    to, in order; or why they are not (and whether that is the rule's fault: sources it
+    cannot tell apart)."""
+    def key(m: re.Match[str]) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((g, v or "") for g, v in m.groupdict().items()))
+
+    if not index:  # built on first use: one pass over the source names per rule
+        for other in source:
+            for k, regex in enumerate(rule._regexes):
+                m = regex.fullmatch(other)
+                if m is not None and rule._values(m) is not None:
+                    index.setdefault((k, key(m)), []).append(other)
+    m = rule._regexes[which].fullmatch(name)
+    assert m is not None
+    names = []
+    for k, regex in enumerate(rule._regexes):
+        found = index.get((k, key(m)), [])
+        if len(found) > 1:
+            return (f"sources[{k}] matches {found} alike: name the parts of the names that "
+                    "differ with named groups"), True
+        if not found:
+            return f"needs sources[{k}] {regex.pattern!r} too, which the source does not have", False
+        if found[0] in taken:
+            return f"needs sources[{k}] {found[0]}, which another rule took", False
+        names.append(found[0])
+    return names
+
+
+def plan_rules(rules: Sequence[Rule], source: Mapping[str, Shape], target: Mapping[str, Shape], *,
+               frameworks: tuple[str, str] | None = None,
                strict: bool = True) -> tuple[dict[str, Plan], list[str]]:
-    """(target name -> `Plan`, problems) for the source tensors a rule matches (the first
-    rule whose `match` fully matches a name). `strict`: a matched source whose target is
-    missing, taken, or of another shape after the transform is a problem; otherwise the
-    rule does not apply and the tensor is left to the next stage."""
+    """Plans by target name for the source tensors the rules match, and every problem.
+
+    `source` and `target` map tensor names to shapes. Rules are tried in order and the
+    first that matches a source name wins for it (`frameworks=(source, target)` leaves out
+    the rules whose `from_` / `to` name others). With `strict` (user rules), a matching
+    rule whose target name is not in `target`, whose other sources are missing, or whose
+    operation cannot give the target's shape is a problem naming the source, the target
+    and both shapes; without it (built-in presets) such a rule is passed over and the next
+    one tried. Two plans for one target, and sources that a many-to-one rule cannot tell
+    apart, are problems either way. Sources no rule matches are in no plan.
+    """
+    active = [(i, r) for i, r in enumerate(rules) if r.applies(frameworks)]
     plans: dict[str, Plan] = {}
     problems: list[str] = []
-    for name, shape in source.items():
-        rule = next((r for r in rules if re.fullmatch(r.match, name)), None)
-        if rule is None:
+    taken: set[str] = set()
+    indexes: dict[int, dict[tuple[int, tuple[tuple[str, str], ...]], list[str]]] = {}
+    for name in source:
+        if name in taken:
             continue
-        to = re.sub(rule.match, rule.replace, name)
-        after = tuple(TRANSFORMS[rule.transform](np.empty(shape, np.uint8)).shape)
-        if to not in target or to in plans:
-            if strict:
-                problems.append(f"{name}: no target among {[to]}")
-            continue
-        if after != tuple(target[to]):
-            if strict:
-                problems.append(f"{name} -> {to}: shape {after} after {rule.transform}, "
-                                f"target has {tuple(target[to])}")
-            continue
-        plans[to] = Plan(to, (name,), after, _one(rule.transform),
-                         f"rule {rule.match!r} -> {rule.replace!r} ({rule.transform})")
+        for i, rule in active:
+            found = rule._find(name)
+            if found is None:
+                continue
+            which, values = found
+            why = rule.describe(i)
+            names = [name]
+            if len(rule._regexes) > 1:
+                got = _sources(rule, name, which, source, taken, indexes.setdefault(i, {}))
+                if isinstance(got, tuple):
+                    text, ambiguous = got
+                    if strict or ambiguous:
+                        problems.append(f"{name}: {why} {text}")
+                        break
+                    continue
+                names = got
+                first = rule._values(rule._regexes[0].fullmatch(names[0]))  # type: ignore[arg-type]
+                assert first is not None  # indexed only where `names` lists its values
+                values = first  # the template's groups are those of the first expression
+            outs = [_expand(t, values) for t in rule._targets]
+            misfit = _misfit(rule, why, names, outs, source, target)
+            if isinstance(misfit, str):
+                if strict:
+                    problems.append(misfit)
+                    break
+                continue
+            op, want = misfit
+            for part, out in enumerate(outs):
+                if out in plans:
+                    problems.append(f"{out}: made by {plans[out].why} from {', '.join(plans[out].sources)} "
+                                    f"and by {why} from {', '.join(names)}")
+                    continue
+                plans[out] = Plan(out, tuple(names), want,
+                                  _plan_fn(op, len(names), part if len(outs) > 1 else None), why)
+            taken.update(names)
+            break
     return plans, problems
+
+
+def _misfit(rule: Rule, why: str, names: list[str], outs: list[str], source: Mapping[str, Shape],
+            target: Mapping[str, Shape]) -> tuple[Transform, Shape] | str:
+    """(the operation on the stacked sources, the target's shape), or why the rule cannot
+    make these targets from these sources."""
+    missing = [t for t in outs if t not in target]
+    if missing:
+        return f"{names[0]}: {why} maps it to {', '.join(missing)}, which the target does not have"
+    shapes = [tuple(source[s]) for s in names]
+    wants = [tuple(target[t]) for t in outs]
+    text = (", ".join(f"{s} {list(sh)}" for s, sh in zip(names, shapes)) + " -> "
+            + ", ".join(f"{t} {list(sh)}" for t, sh in zip(outs, wants)))
+    if len(set(shapes)) > 1 or len(set(wants)) > 1:
+        return f"{text}: {why}: the {'sources' if len(set(shapes)) > 1 else 'targets'} differ in shape"
+    given = (len(names), *shapes[0]) if len(names) > 1 else shapes[0]
+    want = (len(outs), *wants[0]) if len(outs) > 1 else wants[0]
+    done = _layout(rule, given, want)
+    if isinstance(done, str):
+        return f"{text}: {why} cannot make it: {done}"
+    if done[1] != want:
+        return f"{text}: {why} gives {list(done[1])}" + (f" (stacked: {list(given)} -> {list(want)})"
+                                                          if len(names) > 1 or len(outs) > 1 else "")
+    return done[0], wants[0]
+
+
+# -- presets --------------------------------------------------------------------------------
+
+
+def _presets() -> dict[str, list[Rule]]:
+    out: dict[str, list[Rule]] = {}
+    for path in sorted((Path(__file__).parent / "presets").glob("*.json")):
+        out[path.stem] = _rules_from(json.loads(path.read_text()), f"preset {path.stem!r}")
+    return out
+
+
+PRESETS: dict[str, list[Rule]] = _presets()

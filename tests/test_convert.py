@@ -602,7 +602,7 @@ def test_bad_rules_are_refused_naming_the_rule(tmp_path, rules, named):
     template = tmp_path / "template.mpk"
     TorchRun("mlp-adamw").record(0).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()),
                                          template)
-    out = _cli_convert(src, tmp_path / "dst.mpk", "--to", "torch", "--template", template, "--map", path)
+    out = _cli_convert(src, tmp_path / "dst.mpk", "--to", "torch", "--template", template, "--rules", path)
     assert out.returncode == 3, out.stderr
     assert "Traceback" not in out.stderr and named in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1

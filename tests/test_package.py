@@ -49,7 +49,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     for expected in ("trainrec/__init__.py", "trainrec/py.typed", "trainrec/adapters/numpy/mlp.py",
                      "trainrec/adapters/torch/recorder.py", "trainrec/adapters/jax/recorder.py",
                      "trainrec/conformance/suite.py", "trainrec/conformance/golden/manifest.json",
-                     "trainrec/conformance/golden/training-record.mpk"):
+                     "trainrec/conformance/golden/training-record.mpk", "trainrec/presets/attention.json"):
         assert expected in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

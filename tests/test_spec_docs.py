@@ -39,7 +39,8 @@ def _named(text: str) -> list[tuple[str | None, str]]:
     return pairs
 
 
-@pytest.mark.parametrize("doc", ["spec/SECURITY.md", "spec/ADAPTERS.md", "spec/FORMAT.md", "spec/PROTOCOLS.md"])
+@pytest.mark.parametrize("doc", ["spec/SECURITY.md", "spec/ADAPTERS.md", "spec/FORMAT.md", "spec/PROTOCOLS.md",
+                                 "spec/CONVERSION.md"])
 def test_every_test_the_spec_names_exists(doc):
     defined = _defined()
     everywhere = set().union(*defined.values())

@@ -55,6 +55,7 @@ from trainrec.convert import (
 )
 from trainrec.items import Item
 from trainrec.records import StateRecord
+from trainrec.rules import PRESETS
 from trainrec.tensor import TensorData
 from trainrec.training import TrainingRecord
 
@@ -196,7 +197,10 @@ class JaxForm:
         return out
 
     def preset_rules(self, source: str, target: str) -> list[Rule]:
-        return []
+        """flax `MultiHeadDotProductAttention` <-> torch `nn.MultiheadAttention` and separate
+        q/k/v/out `Linear`s (`trainrec.rules.PRESETS["attention"]`: its rules say which
+        direction they apply to)."""
+        return list(PRESETS["attention"])
 
     def read_optimizer(self, record: TrainingRecord[Any], role: str, force: bool) -> NeutralOptimizer:
         leaves = as_map(record.optimizer.item, f"{role}.optimizer")
