@@ -24,7 +24,7 @@ from ._version import __version__
 from .checksum import crc32, crc_text
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
-from .items import TENSOR_KEY, Item, check_item, join_key
+from .items import TENSOR_KEY, Item, check_item, join_key, walk
 from .precision import Precision, restorable, restore_tensor, settings_by_name, store_tensor
 from .protocols import PrecisionSettings
 from .sniff import HEAD_BYTES, reader_of
@@ -106,10 +106,10 @@ def check_limits(
             raise fail(f"string of {len(s.encode('utf-8'))} bytes is longer than readers accept "
                        f"(Limits.max_str_bytes = {lim.max_str_bytes})", key)
 
-    def walk(node: Item, level: int, key: str) -> None:
+    for key, node, below in walk(item):
+        level = depth + below
         if isinstance(node, TensorData):
-            below = tensor_depth if node.shape else max(0, tensor_depth - 1)
-            level += below
+            level += tensor_depth if node.shape else max(0, tensor_depth - 1)
         if level > lim.max_depth:
             raise fail(f"nested {level} levels deep, more than readers accept "
                        f"(Limits.max_depth = {lim.max_depth})", key)
@@ -120,14 +120,8 @@ def check_limits(
         elif isinstance(node, str):
             text(node, key)
         elif isinstance(node, dict):
-            for k, v in node.items():
+            for k in node:
                 text(k, key)
-                walk(v, level + 1, join_key(key, k))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, level + 1, join_key(key, i))
-
-    walk(item, depth, "")
 
 
 class _Sink(Protocol):
