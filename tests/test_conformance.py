@@ -80,3 +80,14 @@ def test_demo_refuses_a_backend_it_cannot_find(backend, says):
     out = subprocess.run([sys.executable, "-m", "trainrec", "demo", "--backend", backend],
                          capture_output=True, text=True)
     assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_former_names_harness_still_work():
+    """Adapters written when `Workload` was `Harness` (and the suite's attribute
+    `harness`) still run the suite."""
+    from trainrec.adapter_kit import Workload
+    from trainrec.conformance import Harness
+
+    wl = importlib.import_module("trainrec.adapters.numpy.demo").WORKLOAD
+    old = type("TestOld", (AdapterConformance,), {"harness": wl})
+    assert Harness is Workload and old.workload is wl
