@@ -66,12 +66,13 @@ def walk(item: Any, prefix: str = "") -> Iterator[tuple[str, Any, int]]:
         node = pop()
         yield node
         path, value, depth = node
-        # key paths written out, not `join_key` calls: saves and loads walk every tree
+        # key paths written out, not `join_key` calls: every save walks its tree several times
         if isinstance(value, dict):
-            push([(f"{path}.{k}" if path else f"{k}", v, depth + 1) for k, v in reversed(value.items())])
+            above = f"{path}." if path else ""
+            push([(f"{above}{k}", v, depth + 1) for k, v in reversed(value.items())])
         elif isinstance(value, list):
-            push([(f"{path}.{i}" if path else f"{i}", value[i], depth + 1)
-                  for i in range(len(value) - 1, -1, -1)])
+            above = f"{path}." if path else ""
+            push([(f"{above}{i}", value[i], depth + 1) for i in range(len(value) - 1, -1, -1)])
 
 
 def walk_pairs(a: Any, b: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
