@@ -96,16 +96,25 @@ def map_tree(item: Any, fn: Callable[[str, Any], Any], prefix: str = "") -> Any:
     which `fn` gets as a new dict or list of what it returned for the contents (so `fn`
     may replace a whole subtree, or turn containers into something else). Leaves are
     passed as they are; the containers of `item` are never changed."""
-    if isinstance(item, dict):
-        return fn(prefix, {k: map_tree(v, fn, join_key(prefix, k)) for k, v in item.items()})
-    if isinstance(item, list):
-        return fn(prefix, [map_tree(v, fn, join_key(prefix, i)) for i, v in enumerate(item)])
-    return fn(prefix, item)
+    return _rebuild(item, fn, fn, prefix)
 
 
 def map_leaves(item: Any, fn: Callable[[str, Any], Any], prefix: str = "") -> Any:
     """A new tree of the same dicts and lists with `fn(path, leaf)` for every leaf."""
-    return map_tree(item, lambda path, v: v if isinstance(v, (dict, list)) else fn(path, v), prefix)
+    return _rebuild(item, fn, None, prefix)
+
+
+def _rebuild(item: Any, leaf: Callable[[str, Any], Any],
+             container: Callable[[str, Any], Any] | None, path: str) -> Any:
+    if isinstance(item, dict):
+        above = f"{path}." if path else ""
+        new: Any = {k: _rebuild(v, leaf, container, f"{above}{k}") for k, v in item.items()}
+    elif isinstance(item, list):
+        above = f"{path}." if path else ""
+        new = [_rebuild(v, leaf, container, f"{above}{i}") for i, v in enumerate(item)]
+    else:
+        return leaf(path, item)
+    return new if container is None else container(path, new)
 
 
 def iter_tensors(item: Item, prefix: str = "") -> Iterator[tuple[str, TensorData]]:
