@@ -15,6 +15,7 @@ from trainrec.items import (
     map_leaves,
     map_tensors,
     map_tree,
+    path_of,
     walk,
     walk_pairs,
 )
@@ -130,3 +131,30 @@ def test_compare_items_reports_every_differing_path() -> None:
     assert not same and paths == ["w", "s", "l"] and diff == float("inf")
     assert compare_items({"w": _t(1, 2)}, {"w": _t(1, 2.5)}) == (False, 0.5, ["w"])
     assert compare_items({"w": _t(1)}, {"w": TensorData.from_array(np.ones(1, np.float64))})[2] == ["w"]
+
+
+def test_a_walk_without_paths_meets_the_same_nodes_and_path_of_finds_their_paths() -> None:
+    tree = _tree()
+    with_paths = list(walk(tree, "s"))
+    without = list(walk(tree, "s", paths=False))
+    assert [(n, d) for _, n, d in without] == [(n, d) for _, n, d in with_paths]
+    assert {p for p, _, _ in without} == {"s", ""}
+    shared = [1, 2]
+    twice = {"a": {"x": shared}, "b": {"x": shared}, "c": shared}
+    assert path_of(twice, shared, 2) == "a.x" and path_of(twice, shared, 1) == "c"
+    assert path_of(tree, tree["a"][2], 2, "s") == "s.a.2"
+
+
+def test_check_limits_names_the_key_it_refuses() -> None:
+    from trainrec.format import Limits, check_limits
+
+    long = "x" * 100
+    with pytest.raises(CorruptRecordError, match="longer than readers accept") as e:
+        check_limits({"a": [1, {"b": long}]}, Limits(max_str_bytes=50))
+    assert e.value.key == "a.1.b"
+    with pytest.raises(CorruptRecordError, match="longer than readers accept") as e:
+        check_limits({"a": {"ok": 1, long: 2}}, Limits(max_str_bytes=50))
+    assert e.value.key == "a"
+    with pytest.raises(CorruptRecordError, match="dimensions") as e:
+        check_limits({"a": [TensorData.from_array(np.zeros((1,) * 5))]}, Limits(max_dims=4))
+    assert e.value.key == "a.0"
