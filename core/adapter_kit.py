@@ -11,7 +11,7 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 - checking a record before loading it (section 2): `expect_kind`, `check_tensor_map`,
   `kind_mismatches`, and the errors `RecordMismatchError`, `CorruptRecordError`;
 - item trees and the one walker over them: `Item`, `walk`, `walk_pairs`, `map_tree`,
-  `map_leaves`, `iter_tensors`, `map_tensors`, `join_key`, `check_item`,
+  `map_leaves`, `path_of`, `iter_tensors`, `map_tensors`, `join_key`, `check_item`,
   `compare_items`;
 - registration (section 3): `Adapter`, `register_adapter`, `adapt`;
 - a recorder of the adapter's own file format: `RecorderBase`, `Precision`,
@@ -34,6 +34,7 @@ from .items import (
     map_leaves,
     map_tensors,
     map_tree,
+    path_of,
     walk,
     walk_pairs,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "map_leaves",
     "map_tensors",
     "map_tree",
+    "path_of",
     "record",
     "register_adapter",
     "store_tensor",
