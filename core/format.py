@@ -24,7 +24,7 @@ from ._version import __version__
 from .checksum import crc32, crc_text
 from .dtypes import DType
 from .errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
-from .items import TENSOR_KEY, Item, check_item, join_key
+from .items import TENSOR_KEY, Item, check_item, join_key, path_of, walk
 from .precision import Precision, restorable, restore_tensor, settings_by_name, store_tensor
 from .protocols import PrecisionSettings
 from .sniff import HEAD_BYTES, reader_of
@@ -101,33 +101,32 @@ def check_limits(
     def fail(message: str, key: str) -> CorruptRecordError:
         return CorruptRecordError(f"{message}: it would save but never load", source=source, key=key)
 
-    def text(s: str, key: str) -> None:
+    def too_long(s: str) -> str:
         if len(s) > lim.max_str_bytes // 4 and len(s.encode("utf-8")) > lim.max_str_bytes:
-            raise fail(f"string of {len(s.encode('utf-8'))} bytes is longer than readers accept "
-                       f"(Limits.max_str_bytes = {lim.max_str_bytes})", key)
+            return (f"string of {len(s.encode('utf-8'))} bytes is longer than readers accept "
+                    f"(Limits.max_str_bytes = {lim.max_str_bytes})")
+        return ""
 
-    def walk(node: Item, level: int, key: str) -> None:
+    for _, node, below in walk(item, paths=False):
+        level = depth + below
         if isinstance(node, TensorData):
-            below = tensor_depth if node.shape else max(0, tensor_depth - 1)
-            level += below
+            level += tensor_depth if node.shape else max(0, tensor_depth - 1)
         if level > lim.max_depth:
-            raise fail(f"nested {level} levels deep, more than readers accept "
-                       f"(Limits.max_depth = {lim.max_depth})", key)
-        if isinstance(node, TensorData):
-            if len(node.shape) > lim.max_dims:
-                raise fail(f"tensor of {len(node.shape)} dimensions, more than readers accept "
-                           f"(Limits.max_dims = {lim.max_dims})", key)
+            problem = (f"nested {level} levels deep, more than readers accept "
+                       f"(Limits.max_depth = {lim.max_depth})")
+        elif isinstance(node, TensorData):
+            if len(node.shape) <= lim.max_dims:
+                continue
+            problem = (f"tensor of {len(node.shape)} dimensions, more than readers accept "
+                       f"(Limits.max_dims = {lim.max_dims})")
         elif isinstance(node, str):
-            text(node, key)
+            problem = too_long(node)
         elif isinstance(node, dict):
-            for k, v in node.items():
-                text(k, key)
-                walk(v, level + 1, join_key(key, k))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, level + 1, join_key(key, i))
-
-    walk(item, depth, "")
+            problem = next(filter(None, map(too_long, node)), "")
+        else:
+            continue
+        if problem:
+            raise fail(problem, path_of(item, node, below))
 
 
 class _Sink(Protocol):

@@ -21,7 +21,7 @@ from typing import Any, TypeVar, Union
 import numpy as np
 
 from .errors import CorruptRecordError, RecordMismatchError
-from .items import Item, check_item, join_key
+from .items import Item, check_item, join_key, map_tree, walk_pairs
 from .precision import convert_item
 from .protocols import PrecisionSettings
 from .registry import backend_for
@@ -417,28 +417,31 @@ def _encode_state(value: Any) -> Item:
 
 
 def _decode_state(item: Item, key: str) -> Any:
-    if isinstance(item, dict):
-        if set(item) == {"bigint"} and isinstance(item["bigint"], str):
+    """The inverse of `_encode_state`."""
+
+    def decode(path: str, node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"bigint"} and isinstance(node["bigint"], str):
             try:
-                return int(item["bigint"], 16)
+                return int(node["bigint"], 16)
             except ValueError:
-                raise CorruptRecordError("malformed bigint", key=key) from None
-        if set(item) == {"array", "shape", "bytes"}:
-            name, shape, data = item["array"], item["shape"], item["bytes"]
+                raise CorruptRecordError("malformed bigint", key=path) from None
+        if set(node) == {"array", "shape", "bytes"}:
+            name, shape, data = node["array"], node["shape"], node["bytes"]
             if name not in _ARRAY_DTYPES or not isinstance(data, bytes) or not isinstance(shape, list):
-                raise CorruptRecordError("malformed RNG state array", key=key)
+                raise CorruptRecordError("malformed RNG state array", key=path)
             dt = np.dtype(_ARRAY_DTYPES[str(name)]).newbyteorder("<")
             if len(data) % dt.itemsize:
-                raise CorruptRecordError("malformed RNG state array", key=key)
+                raise CorruptRecordError("malformed RNG state array", key=path)
             arr = np.frombuffer(data, dt).astype(dt.newbyteorder("="))
             try:
                 return arr.reshape([int(d) for d in shape if isinstance(d, int)])
             except (ValueError, TypeError):
-                raise CorruptRecordError("malformed RNG state array shape", key=key) from None
-        return {k: _decode_state(v, join_key(key, k)) for k, v in item.items()}
-    if isinstance(item, list):
-        return [_decode_state(v, join_key(key, i)) for i, v in enumerate(item)]
-    return item
+                raise CorruptRecordError("malformed RNG state array shape", key=path) from None
+        return node
+
+    return map_tree(item, decode, key)
 
 
 @dataclass(frozen=True)
@@ -582,36 +585,25 @@ def kind_mismatches(item: Item, like: Item, key: str) -> list[str]:
     by key). None and bool may stand for each other (optional flags such as torch's
     `foreach=None`); None stands for nothing else."""
     problems: list[str] = []
-    _kind_mismatches(item, like, key, problems)
+    for path, want, have in walk_pairs(like, item, key):
+        where = path or "root"
+        if isinstance(want, TensorData):
+            if not isinstance(have, TensorData):
+                problems.append(f"{where}: {_value_kind(have)} in the record, a tensor live")
+            elif have.shape != want.shape:
+                problems.append(f"{where}: shape {have.shape} in the record, {want.shape} live")
+            elif _kind_of(have.dtype) != _kind_of(want.dtype):
+                problems.append(f"{where}: dtype {have.dtype.value} in the record, {want.dtype.value} live")
+        elif isinstance(want, list):  # `walk_pairs` yields lists only of another kind or length
+            problems.append(f"{where}: {_value_kind(have)} in the record, a list of {len(want)} live")
+        elif isinstance(want, dict):  # ... and maps only of another kind or other keys
+            keys = sorted(have) if isinstance(have, dict) else _value_kind(have)
+            problems.append(f"{where}: {keys} in the record, {sorted(want)} live")
+        else:
+            kind, wanted = _value_kind(have), _value_kind(want)
+            if kind != wanted and {kind, wanted} != {"bool", "None"}:
+                problems.append(f"{where}: {kind} {have!r:.40} in the record, {wanted} live")
     return problems
-
-
-def _kind_mismatches(item: Item, like: Item, key: str, problems: list[str]) -> None:
-    where = key or "root"
-    if isinstance(like, TensorData):
-        if not isinstance(item, TensorData):
-            problems.append(f"{where}: {_value_kind(item)} in the record, a tensor live")
-        elif item.shape != like.shape:
-            problems.append(f"{where}: shape {item.shape} in the record, {like.shape} live")
-        elif _kind_of(item.dtype) != _kind_of(like.dtype):
-            problems.append(f"{where}: dtype {item.dtype.value} in the record, {like.dtype.value} live")
-    elif isinstance(like, list):
-        if not isinstance(item, list) or len(item) != len(like):
-            problems.append(f"{where}: {_value_kind(item)} in the record, a list of {len(like)} live")
-        else:
-            for i, (v, w) in enumerate(zip(item, like)):
-                _kind_mismatches(v, w, join_key(key, i), problems)
-    elif isinstance(like, dict):
-        if not isinstance(item, dict) or set(item) != set(like):
-            keys = sorted(item) if isinstance(item, dict) else _value_kind(item)
-            problems.append(f"{where}: {keys} in the record, {sorted(like)} live")
-        else:
-            for k, w in like.items():
-                _kind_mismatches(item[k], w, join_key(key, k), problems)
-    else:
-        have, want = _value_kind(item), _value_kind(like)
-        if have != want and {have, want} != {"bool", "None"}:
-            problems.append(f"{where}: {have} {item!r:.40} in the record, {want} live")
 
 
 def _value_kind(value: Item) -> str:

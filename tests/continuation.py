@@ -1,5 +1,5 @@
 """Shared harness for exact-continuation tests: reference runs, checkpoints and resumes
-of `python -m trainrec.demo` roles, each resume in a fresh process, two at a time."""
+of `python -m trainrec.roles` roles, each resume in a fresh process, two at a time."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trainrec import read_file
-from trainrec.demo import checkpoint_path, compare_items
+from trainrec.items import compare_items
+from trainrec.roles import checkpoint_path
 
 STEPS, WINDOW = 12, 4
 
 
 def cmd(backend: str, role: str, variant: str, **kw) -> list[str]:
-    out = [sys.executable, "-m", "trainrec.demo", role, "--backend", backend, "--variant", variant,
+    out = [sys.executable, "-m", "trainrec.roles", role, "--backend", backend, "--variant", variant,
            "--steps", str(STEPS), "--window", str(WINDOW)]
     for k, v in kw.items():
         out.append(f"--{k.replace('_', '-')}")

@@ -22,7 +22,7 @@ from trainrec.adapters.numpy.mlp import MLP
 from trainrec.adapters.numpy.optim import AdamW
 from trainrec.adapters.numpy.schedulers import LinearWarmupCosineLr
 from trainrec.conformance import AdapterConformance
-from trainrec.conformance.suite import midway
+from trainrec.conformance.harness import midway
 from trainrec.records import expect_kind
 
 # checks that run a fresh process or read spec files: the same for every mutant
@@ -48,7 +48,7 @@ def _checks() -> list[tuple[str, dict[str, Any]]]:
 def run_suite(harness: NumpyWorkload) -> list[tuple[str, str, str]]:
     """The suite's checks run on `harness`: (check, "fail" or "error", message) of each that
     did not pass."""
-    suite = type("Suite", (AdapterConformance,), {"harness": harness})()
+    suite = type("Suite", (AdapterConformance,), {"workload": harness})()
     failures = []
     for name, params in _checks():
         method = getattr(suite, name)

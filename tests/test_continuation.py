@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from trainrec import read_file
-from trainrec.demo import compare_items
+from trainrec.items import compare_items
 
 STEPS, WINDOW, BASE = 16, 4, 8
 
 
 def role(backend: str, name: str, steps: int = STEPS, **kw) -> None:
-    """Run one role of `python -m trainrec.demo` in a fresh process."""
-    cmd = [sys.executable, "-m", "trainrec.demo", name, "--backend", backend,
+    """Run one role of `python -m trainrec.roles` in a fresh process."""
+    cmd = [sys.executable, "-m", "trainrec.roles", name, "--backend", backend,
            "--steps", str(steps), "--window", str(WINDOW)]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])

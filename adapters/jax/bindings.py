@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
-from trainrec.items import Item
-from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
+from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
 
 from .neutral import TRANSFORMS_KEY
 

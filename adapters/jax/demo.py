@@ -21,7 +21,7 @@ import optax
 
 import trainrec
 from trainrec import DType, GradientsParams, Recorder
-from trainrec.conformance.harness import Harness, Parts
+from trainrec.adapter_kit import Parts, Workload
 
 from .bindings import JaxLrScheduler, JaxModule, JaxOptimizer, grads_from, to_tree
 from .recorder import FlaxMsgpackFileRecorder
@@ -50,7 +50,7 @@ def _mlp() -> Any:
     return MLP()
 
 
-class JaxWorkload(Harness):
+class JaxWorkload(Workload):
     name = "jax"
     ref = "trainrec.adapters.jax.demo:WORKLOAD"
     state_type = JaxDemoState

@@ -11,7 +11,7 @@ import numpy as np
 
 import trainrec
 from trainrec import GradientsParams, RngRecord
-from trainrec.conformance.harness import Harness, Parts
+from trainrec.adapter_kit import Parts, Workload
 
 from .mlp import MLP
 from .optim import AdamW
@@ -27,7 +27,7 @@ class DemoState:
     rng: RngRecord | None = None
 
 
-class NumpyWorkload(Harness):
+class NumpyWorkload(Workload):
     name = "numpy"
     ref = "trainrec.adapters.numpy.demo:WORKLOAD"
     device = "cpu"

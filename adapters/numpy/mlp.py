@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from trainrec import DType, GradientsParams, StateRecord, TensorData
-from trainrec.records import check_tensor_map, expect_kind
+from trainrec.adapter_kit import check_tensor_map, expect_kind
 
 from .backend import NumpyBackend
 

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
-from trainrec.items import Item
-from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
+from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
 
 from .mlp import MLP
 

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from trainrec import RecordMismatchError, StateRecord
-from trainrec.records import expect_kind
+from trainrec.adapter_kit import expect_kind
 
 __all__ = ["ConstantLr", "StepLr", "CosineAnnealingLr", "LinearWarmupCosineLr"]
 

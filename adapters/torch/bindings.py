@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from trainrec import RecordMismatchError, StateRecord, TensorData
-from trainrec.items import Item, join_key
-from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
+from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, join_key, kind_mismatches
 
 from .backend import TorchBackend, from_torch_dtype, numpy_to_tensor
 

@@ -21,7 +21,7 @@ from torch import nn
 
 import trainrec
 from trainrec import FloatDType, Recorder
-from trainrec.conformance.harness import Harness, Parts
+from trainrec.adapter_kit import Parts, Workload
 
 from .grads import grads_from, set_grads
 from .recorder import TorchFileRecorder
@@ -37,7 +37,7 @@ class TorchDemoState:
     rng: TorchRngRecord | None = None
 
 
-class TorchWorkload(Harness):
+class TorchWorkload(Workload):
     name = "torch"
     ref = "trainrec.adapters.torch.demo:WORKLOAD"
     state_type = TorchDemoState

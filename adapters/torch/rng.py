@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from trainrec import CorruptRecordError, RecordMismatchError, RngRecord
-from trainrec.items import Item
-from trainrec.protocols import PrecisionSettings
+from trainrec.adapter_kit import Item, PrecisionSettings
 
 __all__ = ["TorchRngRecord"]
 

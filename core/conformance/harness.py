@@ -1,74 +1,78 @@
-"""`Harness`: what an adapter author writes to run the conformance suite.
+"""The conformance harness: how the suite drives an adapter's `Workload`.
 
-A harness is a small training workload plus a few facts about the backend. It is also
-what `trainrec demo --backend module:attr` and the fresh-process continuation tests run.
+It starts runs in the middle of an accumulation window (`midway`), snapshots every
+tensor and scalar of a run (`snapshot`), and runs the exact-continuation scenario in
+fresh processes (`continuation`, through the roles of `trainrec.roles`). `Workload`
+and `Parts` live in `trainrec.workload`; `Harness` is the name `Workload` had here
+before, kept so that adapters written against it still run.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import subprocess
+from pathlib import Path
 
-import numpy as np
+from ..items import Item
+from ..precision import NativePrecisionSettings
+from ..recorders import NamedMpkBytesRecorder, read_file
+from ..roles import checkpoint_path, role_command
+from ..training import TrainingRecord
+from ..workload import Parts, Workload, train_until
 
-from ..demo import Parts
-from ..dtypes import DType
-from ..protocols import AutodiffBackend, Recorder
-from ..registry import adapt_module
+__all__ = ["Harness", "Parts", "Workload", "continuation", "midway", "run", "snapshot"]
 
-__all__ = ["Harness", "Parts"]
+Harness = Workload
+"""The former name of `Workload`."""
+
+_NATIVE = NativePrecisionSettings()
 
 
-class Harness:
-    """Subclass and fill in the workload; the defaults cover the rest.
+def run(w: Workload, parts: Parts, micro_steps: int) -> None:
+    """`micro_steps` more micro-steps, in windows of the workload's `window`."""
+    train_until(w, parts, parts.state.micro + micro_steps, w.window)
 
-    Required: `ref` (an importable `"module:attr"` naming this harness, for fresh
-    processes), `state_type` (a `@trainrec.record` dataclass with an int field `micro`),
-    `build(seed)`, `micro_step(parts)` (draw a batch, compute gradients, accumulate them
-    into `parts.accumulator`, keeping every RNG in the state) and `apply_window(parts,
-    window)` (take `parts.accumulator.grads()`, step optimizer and scheduler).
-    Optional: `before_capture` / `after_restore` (move framework RNG into / out of the
-    state), `device`, `dtypes` (those the backend supports), `recorders` (the adapter's
-    own, by name), `native_objects(parts)` (objects `trainrec.adapt` must resolve),
-    `reorder(parts)` (the same parameters in another order, where the framework allows it).
-    """
 
-    name: ClassVar[str] = "adapter"
-    ref: str = ""  # an instance may name its variant
-    state_type: ClassVar[type[Any]]
-    device: Any = None
-    dtypes: ClassVar[tuple[DType, ...]] = tuple(DType)
-    recorders: ClassVar[dict[str, Recorder]] = {}
-    window: ClassVar[int] = 4
+def midway(w: Workload) -> Parts:
+    """A run in the middle of its second accumulation window: optimizer state exists and
+    gradients are pending (the `parts` every test starts from)."""
+    parts = w.build(0)
+    run(w, parts, w.window + 2)
+    return parts
 
-    def build(self, seed: int) -> Parts:
-        raise NotImplementedError
 
-    def micro_step(self, parts: Parts) -> None:
-        raise NotImplementedError
+def snapshot(w: Workload, parts: Parts) -> bytes:
+    """Every tensor and scalar of the live objects and the caller state, as bytes."""
+    w.before_capture(parts)
+    rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
+                                 parts.accumulator, parts.state)
+    data: bytes = rec.save(NamedMpkBytesRecorder(_NATIVE))
+    return data
 
-    def apply_window(self, parts: Parts, window: int) -> None:
-        raise NotImplementedError
 
-    def before_capture(self, parts: Parts) -> None:
-        """Put framework RNG state into `parts.state` (default: nothing to do)."""
+def continuation(w: Workload, tmp: Path) -> tuple[Item, dict[int, Item], Item]:
+    """The final records of a run that never stopped, of runs checkpointed at each
+    position of the second window and resumed in a fresh process (by position), and of
+    one resumed mid-window without its pending gradients. Raises AssertionError naming
+    the role when a process fails."""
+    steps = 3 * w.window
+    common = {"steps": steps, "window": w.window}
+    ats = [w.window + p for p in range(w.window)]
 
-    def after_restore(self, parts: Parts) -> None:
-        """Put RNG state from `parts.state` back into the framework (default: nothing)."""
+    def role(name: str, **options: object) -> None:
+        cmd = role_command(w.ref, name, **options, **common)
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            raise AssertionError(f"{name} failed in a fresh process:\n{out.stderr}")
 
-    def reorder(self, parts: Parts) -> bool:
-        """Give the model of a freshly built `parts` the same parameters in another order
-        (`param_ids()` lists them differently) and return True, so the suite checks that
-        optimizer records are keyed by ParamId, never by position. Default: False (the
-        framework keeps one order)."""
-        return False
-
-    def backend(self, parts: Parts) -> AutodiffBackend:
-        return adapt_module(parts.model).backend
-
-    def native_objects(self, parts: Parts) -> list[Any]:
-        return [o for o in (parts.model, parts.optimizer, parts.scheduler) if o is not None]
-
-    def tensor(self, parts: Parts, array: np.ndarray[Any, Any]) -> Any:
-        """A backend tensor holding `array` on the harness's device."""
-        backend = self.backend(parts)
-        return backend.from_host(array, backend.device(self.device))
+    role("reference", out=tmp / "ref.mpk")
+    role("checkpoint", at=ats, recorder=["mpk", "bytes"], checkpoint=tmp / "ckpt")
+    resumed: dict[int, Item] = {}
+    for p, at in enumerate(ats):
+        rec = "mpk" if p % 2 == 0 else "bytes"
+        role("resume", recorder=rec, checkpoint=checkpoint_path(tmp / "ckpt", at, rec),
+             out=tmp / f"res{p}.mpk")
+        resumed[p] = read_file(tmp / f"res{p}.mpk")[1]
+    mid = w.window + w.window // 2
+    role("resume", drop_pending=True, checkpoint=checkpoint_path(tmp / "ckpt", mid, "mpk"),
+         out=tmp / "drop.mpk")
+    return read_file(tmp / "ref.mpk")[1], resumed, read_file(tmp / "drop.mpk")[1]

@@ -1,10 +1,10 @@
 """`AdapterConformance`: the conformance suite, as a pytest test class to subclass.
 
     from trainrec.conformance import AdapterConformance
-    from mypkg.testing import MyHarness
+    from mypkg.testing import MyWorkload
 
     class TestMyAdapter(AdapterConformance):
-        harness = MyHarness()
+        workload = MyWorkload()
 
 Every test checks one contract of spec/PROTOCOLS.md, spec/ADAPTERS.md or the seed
 documents. Its failure message starts with `contract:`, then the component and key that
@@ -15,8 +15,6 @@ sentence.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -26,11 +24,10 @@ import numpy as np
 import pytest
 
 from ..accumulator import GradientsAccumulator
-from ..demo import checkpoint_path, compare_items, recorders_for, train_until
 from ..dtypes import DType, FloatDType
 from ..errors import LossyPrecisionError, RecorderError, RecordMismatchError
 from ..gradients import GradientsParams, GradientsParamsRecord
-from ..items import Item
+from ..items import Item, compare_items, map_leaves, map_tree, walk
 from ..precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -39,12 +36,13 @@ from ..precision import (
     first_lossy,
 )
 from ..protocols import AutodiffBackend, AutodiffModule, LrScheduler, Optimizer, Recorder
-from ..recorders import NamedMpkBytesRecorder, read_file
+from ..recorders import NamedMpkBytesRecorder
 from ..records import StateRecord
 from ..registry import adapt, adapt_module
 from ..tensor import TensorData
 from ..training import TrainingRecord
-from .harness import Harness, Parts
+from ..workload import Workload, recorders_for
+from .harness import Parts, continuation, midway, run, snapshot
 from .vectors import check_vectors
 
 __all__ = ["AdapterConformance"]
@@ -62,27 +60,6 @@ def _sample(dtype: DType) -> np.ndarray[Any, Any]:
         vals % 2 == 1 if dtype is DType.BOOL else (vals / 2 if dtype.is_float else vals).astype(dtype.numpy)
     )
     return out
-
-
-def _snapshot(h: Harness, parts: Parts) -> bytes:
-    """Every tensor and scalar of the live objects and the caller state, as bytes."""
-    h.before_capture(parts)
-    rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
-                                 parts.accumulator, parts.state)
-    data: bytes = rec.save(NamedMpkBytesRecorder(_NATIVE))
-    return data
-
-
-def _run(h: Harness, parts: Parts, micro_steps: int) -> None:
-    train_until(h, parts, parts.state.micro + micro_steps, h.window)
-
-
-def midway(h: Harness) -> Parts:
-    """A run in the middle of its second accumulation window: optimizer state exists and
-    gradients are pending (the `parts` every test starts from)."""
-    parts = h.build(0)
-    _run(h, parts, h.window + 2)
-    return parts
 
 
 def _broken(where: str, sentence: str) -> AssertionError:
@@ -129,18 +106,9 @@ def _param_keyed(item: Item, ids: set[str]) -> dict[str, Item] | None:
     """The first map in an optimizer record whose keys name parameters (ParamIds, or key
     paths ending in one without its collection prefix)."""
     tails = {i.split(".", 1)[1] for i in ids if "." in i}
-    if isinstance(item, dict):
-        if any(k in ids or any(k.endswith("." + t) for t in tails) for k in item):
-            return item
-        values: list[Item] = list(item.values())
-    elif isinstance(item, list):
-        values = list(item)
-    else:
-        return None
-    for v in values:
-        found = _param_keyed(v, ids)
-        if found is not None:
-            return found
+    for _, node, _ in walk(item):
+        if isinstance(node, dict) and any(k in ids or any(k.endswith("." + t) for t in tails) for k in node):
+            return node
     return None
 
 
@@ -151,26 +119,31 @@ def _save(recorder: Recorder, record: Any, tmp: Path) -> Any:
 
 
 class AdapterConformance:
-    """Subclass with `harness = YourHarness()`; pytest runs every test for it."""
+    """Subclass with `workload = YourWorkload()`; pytest runs every test for it."""
 
-    harness: ClassVar[Harness]
+    workload: ClassVar[Workload]
     continuation_cache: ClassVar[dict[str, Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "harness" in cls.__dict__ and "workload" not in cls.__dict__:
+            cls.workload = cls.__dict__["harness"]  # the attribute's former name
 
     # -- fixtures --------------------------------------------------------------------------
 
     @pytest.fixture
-    def h(self) -> Harness:
-        return self.harness
+    def h(self) -> Workload:
+        return self.workload
 
     @pytest.fixture
-    def parts(self, h: Harness) -> Parts:
+    def parts(self, h: Workload) -> Parts:
         """A run in the middle of its second accumulation window: optimizer state exists
         and gradients are pending."""
         return midway(h)
 
     # -- protocols and resolution ----------------------------------------------------------
 
-    def test_protocol_objects(self, h: Harness, parts: Parts) -> None:
+    def test_protocol_objects(self, h: Workload, parts: Parts) -> None:
         m = adapt(parts.model)
         _expect(isinstance(m, AutodiffModule), "model", "adapts to an AutodiffModule")
         _expect(isinstance(m.backend, AutodiffBackend), "model.backend", "is an AutodiffBackend")
@@ -181,7 +154,7 @@ class AdapterConformance:
         _expect(ids == list(m.param_shapes()) and len(set(ids)) == len(ids), "model.param_ids",
                 "are unique and ordered as param_shapes()")
 
-    def test_adapt_resolves_native_types(self, h: Harness, parts: Parts) -> None:
+    def test_adapt_resolves_native_types(self, h: Workload, parts: Parts) -> None:
         for obj in h.native_objects(parts):
             try:
                 adapt(obj)
@@ -193,16 +166,16 @@ class AdapterConformance:
 
     # -- backend sentences (spec/ADAPTERS.md section 1) -------------------------------------
 
-    def test_device_rejects_devices_the_backend_does_not_have(self, h: Harness, parts: Parts) -> None:
-        backend = self.harness.backend(parts)
+    def test_device_rejects_devices_the_backend_does_not_have(self, h: Workload, parts: Parts) -> None:
+        backend = self.workload.backend(parts)
         # an index no machine has, of the kinds backends name: a backend that checks only
         # the kind ("cpu:<anything>") accepts devices it does not have
         for spec in ("trainrec-no-such-device:7", object(), "cpu:4096", "gpu:4096", "cuda:4096"):
             _rejects(partial(backend.device, spec), "backend.device",
                      f"raises ValueError for a device it does not have ({spec!r})", ValueError)
 
-    def test_to_host_returns_a_new_c_contiguous_array(self, h: Harness, parts: Parts) -> None:
-        backend = self.harness.backend(parts)
+    def test_to_host_returns_a_new_c_contiguous_array(self, h: Workload, parts: Parts) -> None:
+        backend = self.workload.backend(parts)
         sample = _sample(DType.F32)
         t = h.tensor(parts, sample)
         for name, host in (("to_host", backend.to_host(t)),
@@ -215,16 +188,16 @@ class AdapterConformance:
             _expect(np.array_equal(backend.to_host(t), sample), f"backend.{name}",
                     "returns a new array, never a view: writing into it changed the tensor")
 
-    def test_from_host_does_not_alias_the_array(self, h: Harness, parts: Parts) -> None:
-        backend = self.harness.backend(parts)
+    def test_from_host_does_not_alias_the_array(self, h: Workload, parts: Parts) -> None:
+        backend = self.workload.backend(parts)
         array = _sample(DType.F32)
         t = backend.from_host(array, backend.device(h.device))
         array[...] = 5.0
         _expect(np.array_equal(backend.to_host(t), _sample(DType.F32)), "backend.from_host",
                 "returns a new tensor that does not alias the array")
 
-    def test_add_returns_the_sum_and_never_writes_into_grad(self, h: Harness, parts: Parts) -> None:
-        backend = self.harness.backend(parts)
+    def test_add_returns_the_sum_and_never_writes_into_grad(self, h: Workload, parts: Parts) -> None:
+        backend = self.workload.backend(parts)
         ones = np.ones((3, 4), np.float32)
         pending, grad = h.tensor(parts, ones), h.tensor(parts, 2 * ones)
         out = backend.add(pending, grad)
@@ -232,8 +205,8 @@ class AdapterConformance:
         _expect(np.array_equal(backend.to_host(out), 3 * ones) and backend.dtype_of(out) is DType.F32,
                 "backend.add", "returns pending + grad in pending's dtype")
 
-    def test_clone_is_independent(self, h: Harness, parts: Parts) -> None:
-        backend = self.harness.backend(parts)
+    def test_clone_is_independent(self, h: Workload, parts: Parts) -> None:
+        backend = self.workload.backend(parts)
         t = h.tensor(parts, _sample(DType.F32))
         backend.add(backend.clone(t), h.tensor(parts, np.ones((3, 4), np.float32)))
         _expect(np.array_equal(backend.to_host(t), _sample(DType.F32)), "backend.clone",
@@ -243,11 +216,11 @@ class AdapterConformance:
 
     @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.name)
     @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
-    def test_record_roundtrip(self, h: Harness, parts: Parts, dtype: DType, settings: Any,
+    def test_record_roundtrip(self, h: Workload, parts: Parts, dtype: DType, settings: Any,
                               tmp_path: Path) -> None:
         if dtype not in h.dtypes:
             pytest.skip(f"{h.name} does not support {dtype.value}")
-        backend = self.harness.backend(parts)
+        backend = self.workload.backend(parts)
         device = backend.device(h.device)
         t = h.tensor(parts, _sample(dtype))
         _expect(backend.dtype_of(t) is dtype, "backend.dtype_of", f"gives {dtype.value} for a {dtype.value} tensor")
@@ -268,18 +241,18 @@ class AdapterConformance:
 
     def _recorders(self, settings: Any) -> dict[str, Recorder]:
         out: dict[str, Recorder] = {}
-        for name, rec in recorders_for(self.harness).items():  # type: ignore[arg-type]
+        for name, rec in recorders_for(self.workload).items():
             base = name.split("-")[0]
-            if base in CORE_RECORDERS or name in self.harness.recorders:
+            if base in CORE_RECORDERS or name in self.workload.recorders:
                 out.setdefault(base, type(rec)(settings))  # type: ignore[call-arg]
         return out
 
     # -- GradientsAccumulator sentences ----------------------------------------------------
 
-    def test_try_to_record_snapshots_without_resetting(self, h: Harness, parts: Parts) -> None:
+    def test_try_to_record_snapshots_without_resetting(self, h: Workload, parts: Parts) -> None:
         acc = parts.accumulator
         snap = acc.try_to_record()
-        _expect(bool(snap.grads), "harness.micro_step", "accumulates gradients (the fixture leaves some pending)")
+        _expect(bool(snap.grads), "workload.micro_step", "accumulates gradients (the fixture leaves some pending)")
         before = {k: t.to_bytes() for k, t in snap.grads.items()}
         h.micro_step(parts)
         _expect({k: t.to_bytes() for k, t in snap.grads.items()} == before, "accumulator.try_to_record",
@@ -302,7 +275,7 @@ class AdapterConformance:
                 {k: t.to_bytes() for k, t in expected.grads.items()}, "accumulator.grads", "returns the sum")
         _expect(parts.accumulator.grads().is_empty(), "accumulator.grads", "resets the accumulator")
 
-    def test_load_record_replaces_pending_on_the_device(self, h: Harness, parts: Parts) -> None:
+    def test_load_record_replaces_pending_on_the_device(self, h: Workload, parts: Parts) -> None:
         rec = parts.accumulator.try_to_record()
         fresh: GradientsAccumulator[Any] = GradientsAccumulator(backend=adapt_module(parts.model).backend)
         fresh.load_record(rec, h.device)
@@ -321,14 +294,14 @@ class AdapterConformance:
         bad = dict(acc.try_to_record().grads)
         first = next(iter(bad))
         bad[first] = TensorData.from_array(np.zeros(3, np.int32))  # not a float
-        _rejects(lambda: acc.load_record(GradientsParamsRecord(bad), self.harness.device),
+        _rejects(lambda: acc.load_record(GradientsParamsRecord(bad), self.workload.device),
                  f"accumulator.load_record.{first}", "raises RecorderError for an int gradient")
-        _rejects(lambda: acc.load_record({"not": "a record"}, self.harness.device),  # type: ignore[arg-type]
+        _rejects(lambda: acc.load_record({"not": "a record"}, self.workload.device),  # type: ignore[arg-type]
                  "accumulator.load_record", "raises RecorderError for what is not a record")
         _expect({k: t.to_bytes() for k, t in acc.try_to_record().grads.items()} == before,
                 "accumulator.load_record", "a rejected record leaves the accumulator unchanged")
 
-    def test_f32_accumulation_retains_small_half_precision_additions(self, h: Harness, parts: Parts) -> None:
+    def test_f32_accumulation_retains_small_half_precision_additions(self, h: Workload, parts: Parts) -> None:
         if DType.F16 not in h.dtypes:
             pytest.skip("needs f16")
         m = adapt_module(parts.model)
@@ -355,19 +328,19 @@ class AdapterConformance:
 
     # -- TrainingRecord sentences ----------------------------------------------------------
 
-    def test_capture_copies_and_consumes_nothing(self, h: Harness, parts: Parts) -> None:
+    def test_capture_copies_and_consumes_nothing(self, h: Workload, parts: Parts) -> None:
         pending = parts.accumulator.pending_ids()
         record = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
                                         parts.accumulator, parts.state)
         r = NamedMpkBytesRecorder(_NATIVE)
         first = record.save(r)
         _expect(parts.accumulator.pending_ids() == pending, "accumulator", "capture clears no gradients")
-        _run(h, parts, h.window)
+        run(h, parts, h.window)
         later = record.save(r)
         _expect(later == first, "capture",
                 f"copies every component (into_record copies); later training changed {_differs(first, later)}")
 
-    def test_capture_async_equals_capture(self, h: Harness, parts: Parts) -> None:
+    def test_capture_async_equals_capture(self, h: Workload, parts: Parts) -> None:
         h.before_capture(parts)
         args = (parts.model, parts.optimizer, parts.scheduler, parts.accumulator, parts.state)
         r = NamedMpkBytesRecorder(_NATIVE)
@@ -375,22 +348,22 @@ class AdapterConformance:
         asyn = asyncio.run(TrainingRecord.capture_async(*args)).save(r)
         _expect(sync == asyn, "capture_async", f"records the same as capture; differs at {_differs(sync, asyn)}")
 
-    def test_restore_is_exact_and_performs_no_step(self, h: Harness, parts: Parts) -> None:
-        expected = _snapshot(h, parts)
+    def test_restore_is_exact_and_performs_no_step(self, h: Workload, parts: Parts) -> None:
+        expected = snapshot(h, parts)
         r = NamedMpkBytesRecorder(_NATIVE)
         record = TrainingRecord.load(r, expected, h.device, state_type=h.state_type)
         fresh = h.build(1)
         restored = record.restore(fresh.model, fresh.optimizer, fresh.scheduler, h.device)
         fresh.accumulator, fresh.state = restored.accumulator, restored.state
         h.after_restore(fresh)
-        got = _snapshot(h, fresh)
+        got = snapshot(h, fresh)
         _expect(got == expected, "restore", "reproduces every component exactly, with no optimizer step, "
                 f"scheduler step or gradient reset; differs at {_differs(expected, got)}")
 
     @pytest.mark.parametrize("damage", ["missing parameter", "wrong shape", "optimizer kind",
                                         "optimizer state for an unknown parameter",
                                         "pending gradient for an unknown parameter"])
-    def test_a_rejected_restore_changes_nothing(self, h: Harness, parts: Parts, damage: str) -> None:
+    def test_a_rejected_restore_changes_nothing(self, h: Workload, parts: Parts, damage: str) -> None:
         h.before_capture(parts)
         rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
                                      parts.accumulator, parts.state)
@@ -413,24 +386,24 @@ class AdapterConformance:
             grads_i["no.such.param"] = next(iter(grads_i.values()))
         bad = TrainingRecord.from_item(item, h.device, h.state_type)
         target = h.build(1)
-        _run(h, target, h.window + 1)
-        before = _snapshot(h, target)
+        run(h, target, h.window + 1)
+        before = snapshot(h, target)
         component = "optimizer" if damage.startswith("optimizer") else \
             "grads" if damage.startswith("pending") else "model"
         _rejects(lambda: bad.restore(target.model, target.optimizer, target.scheduler, h.device),
                  f"{component}.check_record", f"restore raises RecorderError for a {damage}")
-        after = _snapshot(h, target)
+        after = snapshot(h, target)
         _expect(after == before, "restore", f"a restore rejected for a {damage} leaves model, optimizer and "
                 f"scheduler unchanged; changed {_differs(before, after)}")
 
     @pytest.mark.parametrize("component", ["model", "optimizer", "scheduler"])
     def test_check_record_rejects_what_does_not_fit_and_never_mutates(
-            self, h: Harness, parts: Parts, component: str) -> None:
+            self, h: Workload, parts: Parts, component: str) -> None:
         m = adapt_module(parts.model)
         live = {"model": m, "optimizer": adapt(parts.optimizer),
                 "scheduler": adapt(parts.scheduler) if parts.scheduler is not None else None}[component]
         if live is None:
-            pytest.skip("the harness has no scheduler")
+            pytest.skip("the workload has no scheduler")
 
         def check(record: Any) -> None:
             if component == "optimizer":
@@ -440,14 +413,14 @@ class AdapterConformance:
 
         where = f"{component}.check_record"
         other = h.build(1)
-        _run(h, other, h.window + 1)
+        run(h, other, h.window + 1)
         h.before_capture(other)
         fits = TrainingRecord.capture(other.model, other.optimizer, other.scheduler, other.accumulator,
                                       other.state)
         fitting: StateRecord = getattr(fits, component)
-        before = _snapshot(h, parts)
+        before = snapshot(h, parts)
         check(fitting)
-        after = _snapshot(h, parts)
+        after = snapshot(h, parts)
         _expect(after == before, where, f"never mutates; checking a record changed {_differs(before, after)}")
         damaged: dict[str, StateRecord] = {
             "another kind": StateRecord("not.the.same." + fitting.kind, fitting.item),
@@ -476,29 +449,27 @@ class AdapterConformance:
             # a per-parameter buffer must have its parameter's shape; a hyperparameter keeps
             # its type (spec/PROTOCOLS.md, Optimizer)
             shapes = {tuple(s) for s in m.param_shapes().values() if int(np.prod(s)) > 1}
-            item = _copy(fitting.item)
-            where_t = _replace_first(
-                item, lambda v: isinstance(v, TensorData) and v.shape in shapes,
+            item, where_t = _replace_first(
+                fitting.item, lambda v: isinstance(v, TensorData) and v.shape in shapes,
                 lambda v: TensorData.from_array(np.zeros((1,), v.array.dtype)))
             if where_t is not None:
                 damaged[f"{where_t} of shape (1,), not its parameter's"] = StateRecord(fitting.kind, item)
-            item = _copy(fitting.item)
-            where_h = _replace_first(item, lambda v: type(v) is float, lambda v: str(v))
+            item, where_h = _replace_first(fitting.item, lambda v: type(v) is float, lambda v: str(v))
             if where_h is not None:
                 damaged[f"{where_h} a str, not a number"] = StateRecord(fitting.kind, item)
         for what, record in damaged.items():
             _rejects(partial(check, record), where, f"raises RecordMismatchError for a record with {what}",
                      RecordMismatchError)
-            after = _snapshot(h, parts)
+            after = snapshot(h, parts)
             _expect(after == before, where, f"never mutates; rejecting {what} changed {_differs(before, after)}")
 
-    def test_optimizer_record_survives_another_parameter_order(self, h: Harness, parts: Parts) -> None:
+    def test_optimizer_record_survives_another_parameter_order(self, h: Workload, parts: Parts) -> None:
         fresh = h.build(1)
         if not h.reorder(fresh):
             pytest.skip(f"{h.name} keeps its parameters in one order")
         ids = list(adapt_module(parts.model).param_ids())
         new_ids = list(adapt_module(fresh.model).param_ids())
-        _expect(new_ids != ids and sorted(new_ids) == sorted(ids), "harness.reorder",
+        _expect(new_ids != ids and sorted(new_ids) == sorted(ids), "workload.reorder",
                 "gives the same parameters in another order")
         h.before_capture(parts)
         record = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler, parts.accumulator,
@@ -510,29 +481,29 @@ class AdapterConformance:
                           f"by ParamId, never by position); restoring it raised {e}") from e
         fresh.accumulator, fresh.state = restored.accumulator, restored.state
         h.after_restore(fresh)
-        _run(h, parts, h.window)
-        _run(h, fresh, h.window)
-        expected, got = _snapshot(h, parts), _snapshot(h, fresh)
+        run(h, parts, h.window)
+        run(h, fresh, h.window)
+        expected, got = snapshot(h, parts), snapshot(h, fresh)
         r = NamedMpkBytesRecorder(_NATIVE)
         _expect(compare_items(r.load_item(expected), r.load_item(got))[0],
                 "optimizer.into_record", "a record survives another parameter order (keyed by ParamId, "
                 f"never by position); training on from it differs at {_differs(expected, got)}")
 
-    def test_save_refuses_lossy_precision(self, h: Harness, parts: Parts, tmp_path: Path) -> None:
+    def test_save_refuses_lossy_precision(self, h: Workload, parts: Parts, tmp_path: Path) -> None:
         h.before_capture(parts)
         rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
                                      parts.accumulator, parts.state)
         r = NamedMpkBytesRecorder(HalfPrecisionSettings())
         if first_lossy(rec.into_item(_NATIVE), r.settings) is None:
-            pytest.skip("every value of this harness fits in half precision")
+            pytest.skip("every value of this workload fits in half precision")
         _rejects(lambda: rec.save(r), "recorder.record", "a lossy save raises LossyPrecisionError",
                  LossyPrecisionError)
 
-    def test_corrupt_payloads_raise_recorder_errors(self, h: Harness, parts: Parts, tmp_path: Path) -> None:
+    def test_corrupt_payloads_raise_recorder_errors(self, h: Workload, parts: Parts, tmp_path: Path) -> None:
         h.before_capture(parts)
         rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
                                      parts.accumulator, parts.state)
-        for name, recorder in recorders_for(h).items():  # type: ignore[arg-type]
+        for name, recorder in recorders_for(h).items():
             payload = _save(recorder, rec, tmp_path)
             data = payload if isinstance(payload, bytes) else Path(payload).read_bytes()
             for cut in (0, 1, len(data) // 3, len(data) - 1):
@@ -554,18 +525,18 @@ class AdapterConformance:
     # -- exact continuation in a fresh process ---------------------------------------------
 
     @pytest.mark.parametrize("position", range(4))
-    def test_exact_continuation_in_a_fresh_process(self, h: Harness, position: int,
+    def test_exact_continuation_in_a_fresh_process(self, h: Workload, position: int,
                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
         if position >= h.window:
-            pytest.skip("position beyond the harness's window")
+            pytest.skip("position beyond the workload's window")
         if not h.ref:
-            raise _broken("harness.ref", "a harness needs `ref` ('module:attr') to run in a fresh process")
+            raise _broken("workload.ref", "a workload needs `ref` ('module:attr') to run in a fresh process")
         cache = type(self).__dict__.get("continuation_cache")
         if cache is None:
             cache = {}
             type(self).continuation_cache = cache
         if "results" not in cache:
-            cache["results"] = _continuation(h, tmp_path_factory.mktemp(h.name))
+            cache["results"] = continuation(h, tmp_path_factory.mktemp(h.name))
         reference, resumed, dropped = cache["results"]
         exact, diff, paths = compare_items(reference, resumed[position])
         _expect(exact, ", ".join(_where(p) for p in paths[:5]), f"resuming at micro-step {position} of the "
@@ -582,30 +553,23 @@ class AdapterConformance:
 
 
 def _copy(item: Item) -> Item:
-    if isinstance(item, dict):
-        return {k: _copy(v) for k, v in item.items()}
-    if isinstance(item, list):
-        return [_copy(v) for v in item]
-    return item
+    """New maps and lists all the way down; leaves are shared."""
+    return map_tree(item, lambda _, node: node)  # type: ignore[no-any-return]
 
 
-def _replace_first(item: Item, found: Callable[[Item], bool], make: Callable[[Any], Item],
-                   path: str = "") -> str | None:
-    """Replace, in place, the first leaf of `item` (depth first) for which `found` holds
-    with `make(leaf)`; its dotted key path, or None when no leaf matched. `item` must be
-    a copy (`_copy`): leaves are shared."""
-    entries: list[tuple[Any, Item]] = (list(item.items()) if isinstance(item, dict)
-                                       else list(enumerate(item)) if isinstance(item, list) else [])
-    for k, v in entries:
-        key = f"{path}.{k}" if path else str(k)
-        if isinstance(v, (dict, list)):
-            hit = _replace_first(v, found, make, key)
-            if hit is not None:
-                return hit
-        elif found(v):
-            item[k] = make(v)  # type: ignore[index]
-            return key
-    return None
+def _replace_first(item: Item, found: Callable[[Item], bool],
+                   make: Callable[[Any], Item]) -> tuple[Item, str | None]:
+    """A copy of `item` whose first leaf (depth first) for which `found` holds is
+    `make(leaf)`, and that leaf's dotted key path (None when no leaf matched)."""
+    hit: list[str] = []
+
+    def swap(path: str, leaf: Item) -> Item:
+        if not hit and found(leaf):
+            hit.append(path)
+            return make(leaf)
+        return leaf
+
+    return map_leaves(item, swap), (hit[0] if hit else None)
 
 
 def _with_tensor_map(state: Item, tensors: dict[str, Item]) -> Item:
@@ -638,30 +602,3 @@ def _write(tmp: Path, data: bytes) -> Path:
     path = tmp / "damaged"
     path.write_bytes(data)
     return path
-
-
-def _continuation(h: Harness, tmp: Path) -> tuple[Item, dict[int, Item], Item]:
-    steps = 3 * h.window
-    base = [sys.executable, "-m", "trainrec.demo"]
-    common = ["--backend", h.ref, "--steps", str(steps), "--window", str(h.window)]
-    ats = [h.window + p for p in range(h.window)]
-
-    def run(args: list[str]) -> None:
-        out = subprocess.run(base + args + common, capture_output=True, text=True)
-        if out.returncode:
-            raise AssertionError(f"{' '.join(args[:1])} failed in a fresh process:\n{out.stderr}")
-
-    run(["reference", "--out", str(tmp / "ref.mpk")])
-    run(["checkpoint", "--at", *map(str, ats), "--recorder", "mpk", "bytes",
-         "--checkpoint", str(tmp / "ckpt")])
-    resumed: dict[int, Item] = {}
-    for p, at in enumerate(ats):
-        rec = "mpk" if p % 2 == 0 else "bytes"
-        run(["resume", "--recorder", rec, "--checkpoint", str(checkpoint_path(tmp / "ckpt", at, rec)),
-             "--out", str(tmp / f"res{p}.mpk")])
-        resumed[p] = read_file(tmp / f"res{p}.mpk")[1]
-    mid = h.window + h.window // 2
-    run(["resume", "--drop-pending", "--checkpoint", str(checkpoint_path(tmp / "ckpt", mid, "mpk")),
-         "--out", str(tmp / "drop.mpk")])
-    return read_file(tmp / "ref.mpk")[1], resumed, read_file(tmp / "drop.mpk")[1]
-

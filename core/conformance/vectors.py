@@ -27,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ..demo import train_until
 from ..dtypes import DType
-from ..items import Item, map_tensors
+from ..items import Item, map_tensors, map_tree
 from ..precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -38,6 +37,7 @@ from ..precision import (
 )
 from ..recorders import NamedMpkFileRecorder, NamedMpkGzFileRecorder, RecorderBase
 from ..tensor import TensorData
+from ..workload import train_until
 
 __all__ = ["describe", "check_vectors", "write_vectors", "vector_dir"]
 
@@ -137,17 +137,19 @@ LEGACY: dict[str, tuple[str, str]] = {
 
 def describe(item: Item) -> Any:
     """An item as exact JSON: tensors as dtype, shape and hex bytes; floats by `float.hex`."""
-    if isinstance(item, TensorData):
-        return {"tensor": item.dtype.value, "shape": list(item.shape), "hex": item.to_bytes().hex()}
-    if isinstance(item, bytes):
-        return {"bytes": item.hex()}
-    if isinstance(item, float):
-        return {"float": item.hex()}
-    if isinstance(item, dict):
-        return {"map": {k: describe(v) for k, v in item.items()}}
-    if isinstance(item, list):
-        return [describe(v) for v in item]
-    return item
+
+    def one(_: str, node: Any) -> Any:
+        if isinstance(node, TensorData):
+            return {"tensor": node.dtype.value, "shape": list(node.shape), "hex": node.to_bytes().hex()}
+        if isinstance(node, bytes):
+            return {"bytes": node.hex()}
+        if isinstance(node, float):
+            return {"float": node.hex()}
+        if isinstance(node, dict):  # a map of what its values became
+            return {"map": node}
+        return node
+
+    return map_tree(item, one)
 
 
 def vector_dir() -> Path:

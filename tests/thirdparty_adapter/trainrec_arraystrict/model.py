@@ -9,7 +9,7 @@ import array_api_strict as xp
 import numpy as np
 
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
-from trainrec.records import check_tensor_map, expect_kind, kind_mismatches
+from trainrec.adapter_kit import check_tensor_map, expect_kind, kind_mismatches
 
 from .adapter import BACKEND as _B
 from .adapter import StrictBackend

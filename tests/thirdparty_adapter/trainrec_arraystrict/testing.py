@@ -1,4 +1,4 @@
-"""The conformance harness of this adapter: what `trainrec.conformance` runs."""
+"""The workload of this adapter: the training job `trainrec.conformance` and `trainrec demo` run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 import trainrec
 from trainrec import RngRecord
-from trainrec.conformance import Harness, Parts
+from trainrec.adapter_kit import Parts, Workload
 
 from .adapter import SUPPORTED
 from .model import SGD, Linear, StepSchedule
@@ -21,9 +21,9 @@ class State:
     rng: RngRecord | None = None
 
 
-class StrictHarness(Harness):
+class StrictWorkload(Workload):
     name = "array_api_strict"
-    ref = "trainrec_arraystrict.testing:HARNESS"
+    ref = "trainrec_arraystrict.testing:WORKLOAD"
     state_type = State
     device = "cpu"
     dtypes = SUPPORTED
@@ -56,4 +56,4 @@ class StrictHarness(Harness):
         return [parts.model, parts.optimizer, parts.scheduler, xp.asarray([1.0])]
 
 
-HARNESS = StrictHarness()
+WORKLOAD = StrictWorkload()

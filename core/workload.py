@@ -1,0 +1,134 @@
+"""`Workload`: an adapter's small training job, which `trainrec demo` and the
+conformance suite drive.
+
+A workload builds a model, optimizer, scheduler and caller state (`Parts`) and runs one
+micro-step of gradient accumulation at a time; `train_until` strings micro-steps into
+accumulation windows. Each adapter ships its own (`trainrec.adapters.<name>.demo`), a
+third-party adapter writes one for its tests (spec/ADAPTERS.md, section 4), and
+`load_workload` finds either by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .accumulator import GradientsAccumulator
+from .dtypes import DType
+from .precision import NativePrecisionSettings
+from .protocols import AutodiffBackend, Recorder
+from .recorders import NamedMpkBytesRecorder, NamedMpkFileRecorder, NamedMpkGzFileRecorder
+from .registry import adapt_module
+
+__all__ = ["CORE_RECORDERS", "Parts", "Workload", "load_workload", "recorders_for", "train_until"]
+
+
+@dataclass
+class Parts:
+    """The live objects of one training run."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    state: Any
+    accumulator: GradientsAccumulator[Any] = field(default_factory=GradientsAccumulator)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Workload:
+    """Subclass and fill in the training job; the defaults cover the rest.
+
+    Required: `ref` (an importable `"module:attr"` naming this workload, for fresh
+    processes), `state_type` (a `@trainrec.record` dataclass with an int field `micro`),
+    `build(seed)`, `micro_step(parts)` (draw a batch, compute gradients, accumulate them
+    into `parts.accumulator`, keeping every RNG in the state) and `apply_window(parts,
+    window)` (take `parts.accumulator.grads()`, step optimizer and scheduler).
+    Optional: `before_capture` / `after_restore` (move framework RNG into / out of the
+    state), `device`, `dtypes` (those the backend supports), `recorders` (the adapter's
+    own, by name), `native_objects(parts)` (objects `trainrec.adapt` must resolve),
+    `reorder(parts)` (the same parameters in another order, where the framework allows it).
+    """
+
+    name: ClassVar[str] = "adapter"
+    ref: str = ""  # an instance may name its variant
+    state_type: ClassVar[type[Any]]
+    device: Any = None
+    dtypes: ClassVar[tuple[DType, ...]] = tuple(DType)
+    recorders: ClassVar[dict[str, Recorder]] = {}
+    window: ClassVar[int] = 4
+
+    def build(self, seed: int) -> Parts:
+        raise NotImplementedError
+
+    def micro_step(self, parts: Parts) -> None:
+        raise NotImplementedError
+
+    def apply_window(self, parts: Parts, window: int) -> None:
+        raise NotImplementedError
+
+    def before_capture(self, parts: Parts) -> None:
+        """Put framework RNG state into `parts.state` (default: nothing to do)."""
+
+    def after_restore(self, parts: Parts) -> None:
+        """Put RNG state from `parts.state` back into the framework (default: nothing)."""
+
+    def reorder(self, parts: Parts) -> bool:
+        """Give the model of a freshly built `parts` the same parameters in another order
+        (`param_ids()` lists them differently) and return True, so the suite checks that
+        optimizer records are keyed by ParamId, never by position. Default: False (the
+        framework keeps one order)."""
+        return False
+
+    def backend(self, parts: Parts) -> AutodiffBackend:
+        return adapt_module(parts.model).backend
+
+    def native_objects(self, parts: Parts) -> list[Any]:
+        return [o for o in (parts.model, parts.optimizer, parts.scheduler) if o is not None]
+
+    def tensor(self, parts: Parts, array: np.ndarray[Any, Any]) -> Any:
+        """A backend tensor holding `array` on the workload's device."""
+        backend = self.backend(parts)
+        return backend.from_host(array, backend.device(self.device))
+
+
+def train_until(workload: Workload, parts: Parts, until: int, window: int) -> None:
+    """Micro-steps until `parts.state.micro == until`, stepping the optimizer at the end of
+    every window of `window` micro-steps."""
+    while parts.state.micro < until:
+        workload.micro_step(parts)
+        parts.state.micro += 1
+        if parts.state.micro % window == 0:
+            workload.apply_window(parts, window)
+
+
+CORE_RECORDERS: dict[str, Recorder] = {
+    "mpk": NamedMpkFileRecorder(NativePrecisionSettings()),
+    "mpk-full": NamedMpkFileRecorder(),
+    "gz": NamedMpkGzFileRecorder(NativePrecisionSettings()),
+    "bytes": NamedMpkBytesRecorder(NativePrecisionSettings()),
+}
+"""The recorders every workload is checkpointed with, by the names roles and the suite use."""
+
+
+def recorders_for(workload: Workload) -> dict[str, Recorder]:
+    """The core recorders plus the workload's own (its `recorders`)."""
+    return {**CORE_RECORDERS, **getattr(workload, "recorders", {})}
+
+
+def load_workload(backend: str, variant: str = "default") -> Workload:
+    """The adapter's workload: `WORKLOADS[variant]` of `trainrec.adapters.<backend>.demo`,
+    or, for `backend` of the form `"module:attr"`, that object (a class is instantiated):
+    the workload of any adapter."""
+    if ":" in backend:
+        module_name, _, attr = backend.partition(":")
+        found = getattr(importlib.import_module(module_name), attr)
+        workload: Workload = found() if isinstance(found, type) else found
+        return workload
+    module = importlib.import_module(f"trainrec.adapters.{backend}.demo")
+    workloads: dict[str, Workload] = getattr(module, "WORKLOADS", {"default": module.WORKLOAD})
+    if variant not in workloads:
+        raise ValueError(f"{backend} has no workload {variant!r}; it has {sorted(workloads)}")
+    return workloads[variant]
