@@ -16,14 +16,44 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 - registration (section 3): `Adapter`, `register_adapter`, `adapt`;
 - a recorder of the adapter's own file format: `RecorderBase`, `Precision`,
   `store_tensor`, `check_limits`, `atomic_write` (crash-safe file replacement);
+- a file format with trainrec's envelope (a header, a per-tensor checksum and dtype table,
+  a CRC over every byte; spec/FORMAT.md section 8): `Header`, `FILE_CRC_BYTES`, `CrcWriter`,
+  `TensorTables`, `header_fields`, `path_arg`, `reserve_bytes`, `BF16PrecisionSettings`,
+  and `ptfile` (the torch-free reader of `.pt` zips the torch adapter writes);
+- conversion through a neutral form (spec/ADAPTERS.md section 8): `NeutralForm`,
+  `Neutral`, `NeutralOptimizer`, `ScheduleCount`, `TargetState`, `ConversionError`,
+  `register_neutral_form`, `as_map`, `as_list`, `as_count`, `tensors_of`, the rules a form
+  may preset (`Rule`, `PRESETS`) and `TrainingRecord`;
 - the training job the conformance suite and `trainrec demo` drive (section 4):
   `Workload`, `Parts`, `train_until`.
 """
 
+from . import ptfile
 from ._atomic import atomic_write
+from .convert import (
+    ConversionError,
+    Neutral,
+    NeutralForm,
+    NeutralOptimizer,
+    ScheduleCount,
+    TargetState,
+    as_count,
+    as_list,
+    as_map,
+    register_neutral_form,
+    tensors_of,
+)
 from .dtypes import DType, FloatDType
+from .envelope import (
+    FILE_CRC_BYTES,
+    CrcWriter,
+    TensorTables,
+    header_fields,
+    path_arg,
+    reserve_bytes,
+)
 from .errors import CorruptRecordError, RecorderError, RecordMismatchError
-from .format import check_limits
+from .format import Header, check_limits
 from .gradients import GradientsParams, GradientsParamsRecord
 from .items import (
     Item,
@@ -38,7 +68,7 @@ from .items import (
     walk,
     walk_pairs,
 )
-from .precision import Precision, store_tensor
+from .precision import BF16PrecisionSettings, Precision, store_tensor
 from .protocols import (
     AutodiffBackend,
     AutodiffModule,
@@ -54,53 +84,78 @@ from .protocols import (
 from .recorders import RecorderBase
 from .records import RngRecord, StateRecord, check_tensor_map, expect_kind, kind_mismatches, record
 from .registry import Adapter, adapt, register_adapter
+from .rules import PRESETS, Rule
 from .tensor import TensorData
+from .training import TrainingRecord
 from .workload import Parts, Workload, train_until
 
 __all__ = [
     "Adapter",
     "AutodiffBackend",
     "AutodiffModule",
+    "BF16PrecisionSettings",
     "Backend",
+    "ConversionError",
     "CorruptRecordError",
+    "CrcWriter",
     "DType",
+    "FILE_CRC_BYTES",
     "FloatDType",
     "GradientsParams",
     "GradientsParamsRecord",
+    "Header",
     "Item",
     "LrScheduler",
     "Module",
+    "Neutral",
+    "NeutralForm",
+    "NeutralOptimizer",
     "Optimizer",
+    "PRESETS",
     "ParamId",
     "Parts",
     "Precision",
     "PrecisionSettings",
     "Record",
+    "RecordMismatchError",
     "Recorder",
     "RecorderBase",
     "RecorderError",
-    "RecordMismatchError",
     "RngRecord",
+    "Rule",
+    "ScheduleCount",
     "StateRecord",
+    "TargetState",
     "TensorData",
+    "TensorTables",
+    "TrainingRecord",
     "Workload",
     "adapt",
+    "as_count",
+    "as_list",
+    "as_map",
     "atomic_write",
     "check_item",
     "check_limits",
     "check_tensor_map",
     "compare_items",
     "expect_kind",
+    "header_fields",
     "iter_tensors",
     "join_key",
     "kind_mismatches",
     "map_leaves",
     "map_tensors",
     "map_tree",
+    "path_arg",
     "path_of",
+    "ptfile",
     "record",
     "register_adapter",
+    "register_neutral_form",
+    "reserve_bytes",
     "store_tensor",
+    "tensors_of",
     "train_until",
     "walk",
     "walk_pairs",

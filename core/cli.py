@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import CorruptRecordError, FileMissingError, RecorderError
-from .items import Item
+from .items import Item, map_leaves
 from .tensor import TensorData
 
 __all__ = ["main"]
@@ -57,7 +57,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "resume is bitwise exact.",
     )
     demo.add_argument("--backend", type=_demo_backend, default="auto",
-                      help="auto, torch, jax, numpy, or module:attr naming a conformance Harness "
+                      help="auto, torch, jax, numpy, or module:attr naming a trainrec Workload "
                       "of any adapter (spec/ADAPTERS.md)")
     demo.add_argument("--steps", type=int, default=24, help="micro-steps in all (default 24)")
     demo.add_argument("--window", type=int, default=4, help="accumulation window (default 4)")
@@ -180,13 +180,13 @@ def _regular_file(path: str) -> None:
 
 
 def _demo_backend(value: str) -> str:
-    """A bundled backend, or `module:attr` naming a `Harness` in an importable module."""
+    """A bundled backend, or `module:attr` naming a `Workload` in an importable module."""
     if value in ("auto", "torch", "jax", "numpy"):
         return value
     module, sep, attr = value.partition(":")
     if not (sep and module and attr.isidentifier()):
         raise argparse.ArgumentTypeError(
-            f"{value!r}: expected auto, torch, jax, numpy or module:attr (a conformance Harness)")
+            f"{value!r}: expected auto, torch, jax, numpy or module:attr (a trainrec Workload)")
     try:
         found = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -202,7 +202,7 @@ _WORKLOAD_PARTS = ("state_type", "build", "micro_step", "apply_window")
 def _harness_problem(value: str) -> str:
     """Why `module:attr` names no workload (one line), or "" when it does: the demo's
     processes then start from a harness that loads, not into a traceback in each."""
-    from .demo import load_workload
+    from .workload import load_workload
 
     try:
         workload = load_workload(value)
@@ -210,21 +210,21 @@ def _harness_problem(value: str) -> str:
         return _printable(f"{type(e).__name__}: {e}")
     missing = [name for name in _WORKLOAD_PARTS if not hasattr(workload, name)]
     if missing:
-        return (f"{type(workload).__name__} is not a conformance Harness (it has no "
+        return (f"{type(workload).__name__} is not a trainrec Workload (it has no "
                 f"{', '.join(missing)})")
     return ""
 
 
+def _tree_leaf(path: str, leaf: Any) -> Any:
+    if isinstance(leaf, TensorData):
+        return {"dtype": leaf.dtype.value, "shape": list(leaf.shape), "bytes": leaf.nbytes}
+    if isinstance(leaf, bytes):
+        return f"<{len(leaf)} bytes>"
+    return leaf
+
+
 def _tree(item: Item) -> Any:
-    if isinstance(item, TensorData):
-        return {"dtype": item.dtype.value, "shape": list(item.shape), "bytes": item.nbytes}
-    if isinstance(item, dict):
-        return {k: _tree(v) for k, v in item.items()}
-    if isinstance(item, list):
-        return [_tree(v) for v in item]
-    if isinstance(item, bytes):
-        return f"<{len(item)} bytes>"
-    return item
+    return map_leaves(item, _tree_leaf)
 
 
 def _print_tree(node: Any, indent: str, out: list[str]) -> None:
@@ -361,13 +361,7 @@ def _diff(a: str, b: str, as_json: bool) -> int:
 
 
 def _scalars(item: Item) -> Any:
-    if isinstance(item, TensorData):
-        return None
-    if isinstance(item, dict):
-        return {k: _scalars(v) for k, v in item.items()}
-    if isinstance(item, list):
-        return [_scalars(v) for v in item]
-    return repr(item)
+    return map_leaves(item, lambda path, leaf: None if isinstance(leaf, TensorData) else repr(leaf))
 
 
 def _progress(done: int, total: int, what: str) -> None:

@@ -62,7 +62,7 @@ import numpy as np
 
 from .errors import RecorderError
 from .gradients import GradientsParamsRecord
-from .items import Item, check_item
+from .items import Item, check_item, map_tree
 from .precision import NativePrecisionSettings, is_lossless
 from .records import StateRecord
 from .rules import TRANSFORMS, Plan, Rule, load_rules, plan_rules
@@ -426,17 +426,17 @@ def _sourced(plan: Plan, found: dict[str, TensorData], what: str, problems: list
 
 
 def _drop_rng(item: Item, drop: bool, markers: frozenset[str], framework: str, path: str = "state") -> Item:
-    if isinstance(item, dict):
-        if markers & set(item):
+    def visit(where: str, node: Any) -> Any:
+        if isinstance(node, dict) and markers & set(node):
             if not drop:
                 raise ConversionError(
-                    f"{path} holds {framework} RNG state, which the target framework cannot use; "
+                    f"{where} holds {framework} RNG state, which the target framework cannot use; "
                     "convert with drop_rng=True (--drop-rng) to drop it")
             return None
-        return {k: _drop_rng(v, drop, markers, framework, f"{path}.{k}") for k, v in item.items()}
-    if isinstance(item, list):
-        return [_drop_rng(v, drop, markers, framework, f"{path}.{i}") for i, v in enumerate(item)]
-    return item
+        return node
+
+    dropped: Item = map_tree(item, visit, path)
+    return dropped
 
 
 def _position(src: NeutralForm, counts: list[ScheduleCount], places: list[ScheduleCount],

@@ -19,7 +19,7 @@ PUBLIC = ("trainrec", "trainrec.adapter_kit", "trainrec.conformance")
 # Not yet moved to the kit: the file recorders, which other work in progress (the format
 # registry, issue 17 item 3) is rewriting; they still import `trainrec._atomic`,
 # `trainrec.envelope`, `trainrec.sniff`, ... Remove each entry once its file is fixed.
-NOT_YET = {"adapters/torch/recorder.py", "adapters/jax/recorder.py"}
+NOT_YET: set[str] = set()
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

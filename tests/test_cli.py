@@ -230,8 +230,8 @@ def test_an_undecodable_file_name_prints_escaped(tmp_path):
 
 @pytest.mark.parametrize(("backend", "says"), [
     ("json:HARNESS", "AttributeError: module 'json' has no attribute 'HARNESS'"),  # module, no attribute
-    ("json:dumps", "function is not a conformance Harness"),
-    ("json:JSONDecoder", "JSONDecoder is not a conformance Harness"),
+    ("json:dumps", "function is not a trainrec Workload"),
+    ("json:JSONDecoder", "JSONDecoder is not a trainrec Workload"),
 ])
 def test_demo_with_a_harness_that_does_not_load_exits_2_with_one_line(backend, says):
     out = subprocess.run([sys.executable, "-m", "trainrec", "demo", "--backend", backend],

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainrec.convert import (
+from trainrec.adapter_kit import (
     ConversionError,
+    Item,
     Neutral,
     NeutralOptimizer,
     Rule,
     ScheduleCount,
+    StateRecord,
     TargetState,
+    TensorData,
+    TrainingRecord,
     as_count,
     as_map,
     tensors_of,
 )
-from trainrec.items import Item
-from trainrec.records import StateRecord
-from trainrec.tensor import TensorData
-from trainrec.training import TrainingRecord
 
 __all__ = ["FORM", "NumpyForm"]
 

@@ -40,22 +40,22 @@ from typing import Any
 
 import numpy as np
 
-from trainrec.convert import (
+from trainrec.adapter_kit import (
     ConversionError,
+    Item,
     Neutral,
     NeutralOptimizer,
     Rule,
     ScheduleCount,
+    StateRecord,
     TargetState,
+    TensorData,
+    TrainingRecord,
     as_count,
     as_list,
     as_map,
     tensors_of,
 )
-from trainrec.items import Item
-from trainrec.records import StateRecord
-from trainrec.tensor import TensorData
-from trainrec.training import TrainingRecord
 
 __all__ = ["FORM", "TorchForm"]
 

@@ -21,25 +21,33 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainrec import DType, Header, Precision, RecorderError, TensorData
-from trainrec._atomic import atomic_write
-from trainrec.envelope import (
+from trainrec.adapter_kit import (
     FILE_CRC_BYTES,
+    BF16PrecisionSettings,
     CrcWriter,
+    DType,
+    Header,
+    Item,
+    Precision,
+    RecorderBase,
+    RecorderError,
+    TensorData,
     TensorTables,
+    atomic_write,
+    check_item,
+    check_limits,
     header_fields,
+    join_key,
     path_arg,
+    ptfile,
     reserve_bytes,
+    store_tensor,
 )
-from trainrec.format import check_limits
-from trainrec.items import Item, check_item, join_key
-from trainrec.precision import BF16PrecisionSettings, store_tensor
-from trainrec.ptfile import COMMENT as _COMMENT
-from trainrec.ptfile import EOCD_BYTES as _EOCD
-from trainrec.ptfile import FORMAT, VERSION, read_pt
-from trainrec.recorders import RecorderBase
 
 from .backend import from_torch_dtype
+
+_COMMENT, _EOCD, FORMAT, VERSION, read_pt = (ptfile.COMMENT, ptfile.EOCD_BYTES, ptfile.FORMAT,
+                                             ptfile.VERSION, ptfile.read_pt)
 
 __all__ = ["TorchFileRecorder", "TorchPrecisionSettings", "BF16PrecisionSettings", "MIN_TORCH"]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainrec import StateRecord, TensorData, TrainingRecord
-from trainrec.convert import (
+from trainrec.adapter_kit import (
+    Item,
     Neutral,
     NeutralOptimizer,
     Rule,
@@ -22,7 +23,6 @@ from trainrec.convert import (
     as_map,
     tensors_of,
 )
-from trainrec.items import Item
 
 ROLES = {"w": "dense.kernel", "b": "bias"}
 
