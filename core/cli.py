@@ -87,14 +87,17 @@ def _main(argv: Sequence[str] | None) -> int:
     con = sub.add_parser(
         "convert", help="convert a record file between formats and frameworks",
         description="Re-encode a record as NamedMpk (--to mpk), or convert a TrainingRecord "
-        "to the other framework (--to torch|jax) following a template: a record file "
+        "to another adapter's layout (--to torch, jax, trainrec.numpy or any adapter's neutral "
+        "form name) following a template: a record file "
         "captured from a freshly built run of the target (its model and optimizer decide "
         "names, layouts and state structure). DST's extension picks the format: .pt "
         "(TorchFileRecorder), .msgpack (FlaxMsgpackFileRecorder), else NamedMpk.")
     con.add_argument("src")
     con.add_argument("dst")
-    con.add_argument("--to", required=True, choices=["torch", "jax", "mpk"])
-    con.add_argument("--template", help="record file of the target framework (for --to torch|jax)")
+    con.add_argument("--to", required=True, metavar="FORM",
+                     help="mpk (re-encode as NamedMpk), or the target's neutral form: torch, jax, "
+                          "trainrec.numpy, or the name an adapter registers (spec/ADAPTERS.md section 8)")
+    con.add_argument("--template", help="record file of the target (for every --to but mpk)")
     con.add_argument("--rules", action="append", metavar="FILE",
                      help="conversion rules: a JSON file {\"rules\": [{\"match\", \"replace\", ...}]} "
                           "(regex renames with backreferences and name maps, einops rearrange "
@@ -410,7 +413,7 @@ def _convert(args: argparse.Namespace) -> int:
             summary: dict[str, Any] = {"dst": args.dst, "record": header.record_type, "tensors": total}
         else:
             if not args.template:
-                print("trainrec convert: --to torch|jax needs --template", file=sys.stderr)
+                print(f"trainrec convert: --to {args.to} needs --template", file=sys.stderr)
                 return 2
             if header.record_type != "TrainingRecord":
                 print(_printable(f"trainrec convert: {args.src} holds a {header.record_type}, "
@@ -419,8 +422,8 @@ def _convert(args: argparse.Namespace) -> int:
             source: TrainingRecord[Any] = TrainingRecord.from_item(item)
             template: TrainingRecord[Any] = TrainingRecord.from_item(read_file(args.template)[1])
             if framework_of(template) != args.to:
-                print(f"trainrec convert: the template is a {framework_of(template)} record, not {args.to}",
-                      file=sys.stderr)
+                print(_printable(f"trainrec convert: the template is a {framework_of(template)} record, "
+                                 f"not {args.to}"), file=sys.stderr)
                 return 2
             if args.map:
                 print("trainrec convert: note: --map is deprecated, use --rules", file=sys.stderr)

@@ -498,3 +498,37 @@ def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):
                               scheduler=None)
     with pytest.raises(tc.ConversionError, match="acme.Net"):
         tc.form_for(unknown)
+
+
+def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
+    """`trainrec convert --to NAME` takes any neutral form's name (here the array-api-strict
+    adapter's, found by its entry point, and torch): the file it writes loads equal to what
+    the API converts, and a form name the template is not is refused."""
+    import subprocess
+    import sys
+
+    from same_items import same
+
+    from trainrec import DefaultRecorder
+    from trainrec.recorders import read_file
+
+    strict_run, (lr, every, gamma) = _strict()
+    x, y = batches(5, 3)
+    src = strict_run()
+    src.train(0, K, x, y)
+    rate = lr * gamma ** ((K // WINDOW) // every)
+    template = _strict_torch(lr, every, gamma)().record(0)
+    paths = {n: tmp_path / f"{n}.mpk" for n in ("src", "template", "out")}
+    src.record(K).save(DefaultRecorder(), paths["src"])
+    template.save(DefaultRecorder(), paths["template"])
+    cli = [sys.executable, "-m", "trainrec", "convert", str(paths["src"]), str(paths["out"]),
+           "--template", str(paths["template"]), "--lr", str(rate)]
+    done = subprocess.run([*cli, "--to", "torch"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = convert(TrainingRecord.load(DefaultRecorder(), paths["src"], None),
+                       TrainingRecord.load(DefaultRecorder(), paths["template"], None), lr=rate)
+    want = tmp_path / "want.mpk"
+    expected.save(DefaultRecorder(), want)
+    assert same(read_file(paths["out"])[1], read_file(want)[1])
+    wrong = subprocess.run([*cli, "--to", "arraystrict"], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "the template is a torch record, not arraystrict" in wrong.stderr
