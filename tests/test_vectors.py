@@ -33,3 +33,15 @@ def test_vectors_check_under_every_openblas_kernel(coretype):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_core_alone_checks_the_flax_vectors(monkeypatch):
+    """The flax msgpack recorder is core's: the core-only check reads and rewrites the
+    .msgpack vectors too (only the .pt ones need torch, to write)."""
+    from trainrec.conformance import vectors
+
+    seen = []
+    real = vectors._recorder
+    monkeypatch.setattr(vectors, "_recorder", lambda kind, settings: seen.append(kind) or real(kind, settings))
+    assert check_vectors(core_only=True) == []
+    assert seen.count("flax") == 2 and "torch" not in seen

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import DType
+from ..formats import format_named
 from ..items import Item, map_tensors, map_tree
 from ..precision import (
     DoublePrecisionSettings,
@@ -37,7 +38,7 @@ from ..precision import (
 )
 from ..recorders import NamedMpkFileRecorder, NamedMpkGzFileRecorder, RecorderBase
 from ..tensor import TensorData
-from ..workload import train_until
+from ..workload import load_workload, train_until
 
 __all__ = ["describe", "check_vectors", "write_vectors", "vector_dir"]
 
@@ -78,7 +79,7 @@ def _training_record() -> Item:
     scheduler, two pending gradients, caller state with RNG records) whose float values
     are fixed: the structure comes from training, every float from an integer grid, since
     BLAS kernels round differently from CPU to CPU."""
-    h = importlib.import_module("trainrec.adapters.numpy.demo").WORKLOAD
+    h = load_workload("numpy")
     random.seed(0)
     np.random.seed(0)
     parts = h.build(0)
@@ -109,9 +110,9 @@ def _recorder(kind: str, settings: str) -> RecorderBase:
         return NamedMpkFileRecorder(s)
     if kind == "gz":
         return NamedMpkGzFileRecorder(s)
-    if kind == "torch":
-        return importlib.import_module("trainrec.adapters.torch").TorchFileRecorder(s)  # type: ignore[no-any-return]
-    return importlib.import_module("trainrec.adapters.jax").FlaxMsgpackFileRecorder(s)  # type: ignore[no-any-return]
+    fmt = format_named({"torch": "trainrec.torch", "flax": "trainrec.flax"}[kind])
+    assert fmt is not None  # built in
+    return fmt.new_recorder(s)
 
 
 # name -> (recorder kind, settings name, builder of the item, record type, needs)
@@ -123,8 +124,8 @@ VECTORS: dict[str, tuple[str, str, Callable[[], Item], str, str]] = {
     "training-record.mpk": ("mpk", "native", _training_record, "TrainingRecord", ""),
     "nested.pt": ("torch", "native", _nested, "Item", "torch"),
     "every-dtype.pt": ("torch", "native", _every_dtype, "Item", "torch"),
-    "nested.msgpack": ("flax", "native", _nested, "Item", "jax"),
-    "every-dtype.msgpack": ("flax", "native", _every_dtype, "Item", "jax"),
+    "nested.msgpack": ("flax", "native", _nested, "Item", ""),
+    "every-dtype.msgpack": ("flax", "native", _every_dtype, "Item", ""),
 }
 
 
