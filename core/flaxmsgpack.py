@@ -44,7 +44,7 @@ from .envelope import (
 )
 from .errors import CorruptRecordError, RecorderError, reading
 from .format import Ext, Header, Limits, check_limits, decode_msgpack
-from .items import Item, check_item, join_key
+from .items import Item, check_item, join_key, walk
 from .precision import NativePrecisionSettings, store_tensor
 from .recorders import RecorderBase
 from .sniff import HEAD_BYTES, format_of, reader_of
@@ -180,16 +180,11 @@ class FlaxMsgpackFileRecorder(RecorderBase):
 def _check_no_chunk_marker(item: Item, key: str, source: str) -> None:
     """Refuse a map holding the key flax reserves for chunked arrays: readers (flax's and
     ours) would take the map for an array."""
-    if isinstance(item, dict):
-        if _CHUNKED in item:
+    for path, node, _ in walk(item, key):
+        if isinstance(node, dict) and _CHUNKED in node:
             raise CorruptRecordError(
                 f"the key {_CHUNKED!r} is reserved for flax's chunked arrays: it would save but "
-                "never load (NamedMpkFileRecorder stores it)", source=source, key=key)
-        for k, v in item.items():
-            _check_no_chunk_marker(v, join_key(key, k), source)
-    elif isinstance(item, list):
-        for i, v in enumerate(item):
-            _check_no_chunk_marker(v, join_key(key, i), source)
+                "never load (NamedMpkFileRecorder stores it)", source=source, key=path)
 
 
 def _check_start(prefix: bytes, source: str) -> None:

@@ -37,7 +37,7 @@ from trainrec.adapter_kit import (
     check_item,
     check_limits,
     header_fields,
-    join_key,
+    map_leaves,
     path_arg,
     ptfile,
     reserve_bytes,
@@ -97,20 +97,16 @@ class TorchFileRecorder(RecorderBase):
         check_limits(item, depth=0, tensor_depth=0, source=str(path))
         tables = TensorTables()
 
-        def convert(node: Item, key: str) -> Any:
+        def convert(key: str, node: Any) -> Any:
             if isinstance(node, TensorData):
                 t = store_tensor(node, self.settings, key=key, allow_lossy=allow_lossy,
                                  recorder=self.native_name())
-                tables.add(node, t)
+                tables.add(node, t)  # in walk order, as the reader checks them
                 return _to_torch(t)
-            if isinstance(node, dict):
-                return {k: convert(v, join_key(key, k)) for k, v in node.items()}
-            if isinstance(node, list):
-                return [convert(v, join_key(key, i)) for i, v in enumerate(node)]
             return node
 
         doc = {**header_fields(FORMAT, VERSION, self.settings, record_type),
-               "item": convert(item, ""), "checksums": tables.checksums, "dtypes": tables.dtypes}
+               "item": map_leaves(item, convert), "checksums": tables.checksums, "dtypes": tables.dtypes}
         with atomic_write(path, size_hint=reserve_bytes(item, self.settings)) as f:
             sink = CrcWriter(f, hold=_EOCD)
             torch.save(doc, sink)  # type: ignore[arg-type]  # a file-like writer, as torch.save takes
