@@ -396,15 +396,32 @@ def _apply(plan: Plan, tensors: Sequence[TensorData], like: TensorData | None = 
     goes to `lossy`."""
     dtype = like.dtype if like is not None else tensors[0].dtype
     if lossy is not None and any(t.dtype is not dtype for t in tensors):
-        out = TensorData.from_array(np.ascontiguousarray(plan.fn([t.read() for t in tensors])), copy=False)
+        out = TensorData.from_array(_run(plan, tensors, where), copy=False)
         if not is_lossless(out, dtype):
             lossy.append(f"{where} ({tensors[0].dtype.value} -> {dtype.value})")
 
     def load() -> np.ndarray[Any, Any]:
-        arr = np.ascontiguousarray(plan.fn([t.read() for t in tensors]))
+        arr = _run(plan, tensors, where)
         return arr.astype(dtype.numpy) if arr.dtype != dtype.numpy else arr
 
     return TensorData(dtype, plan.shape, load)
+
+
+def _run(plan: Plan, tensors: Sequence[TensorData], where: str) -> np.ndarray[Any, Any]:
+    """`plan.fn` on the sources' values, checked: a transform that fails, or returns
+    anything but a numeric array of the target's shape, is a `ConversionError` naming the
+    target and the rule, never a wrongly shaped tensor written under the target's name."""
+    try:
+        out = plan.fn([t.read() for t in tensors])
+    except RecorderError:
+        raise
+    except Exception as e:  # a user's transform failing on real values
+        raise ConversionError(f"{where or plan.target}: {plan.why} failed ({type(e).__name__}: {e})") from e
+    if not isinstance(out, np.ndarray) or out.dtype.kind in "OSUmM" or tuple(out.shape) != plan.shape:
+        got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ConversionError(f"{where or plan.target}: {plan.why} gave {got}, the target is "
+                              f"{list(plan.shape)}")
+    return np.ascontiguousarray(out)
 
 
 def _sourced(plan: Plan, found: dict[str, TensorData], what: str, problems: list[str],
@@ -566,7 +583,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
                 tensors = _sourced(plans[name], dict(source.grads.grads), "pending gradient", state_problems,
                                    f"grads.{name}")
                 if tensors is not None:
-                    grads[name] = _apply(plans[name], tensors)
+                    grads[name] = _apply(plans[name], tensors, where=f"grads.{name}")
     if state_problems:
         refusals.append(_refusal("optimizer state and pending gradients do not map", state_problems))
     if lossy and not allow_lossy:

@@ -1,0 +1,77 @@
+"""Attacks on the issue-17 work (conversion rules, neutral forms, format registry, .pt
+reader): each test names the defect it found, or the claim it holds the code to."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trainrec
+from trainrec import GradientsAccumulator, NamedMpkBytesRecorder, TrainingRecord
+from trainrec import rules as rules_mod
+from trainrec.adapters.numpy import MLP, Adam
+from trainrec.convert import ConversionError, convert
+from trainrec.rules import Rule
+
+
+@trainrec.record
+class S:
+    micro: int
+
+
+def _numpy_record(seed=0):
+    return TrainingRecord.capture(MLP((4, 8, 3), seed=seed), Adam(), None, GradientsAccumulator(), S(0))
+
+
+def _torch_template():
+    """A fresh torch run with the numpy MLP's names and shapes, under Adam."""
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Module()
+    net.layers = torch.nn.ModuleList([torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)])
+    return TrainingRecord.capture(net, torch.optim.Adam(net.parameters()), None, GradientsAccumulator(), S(0))
+
+
+def _transform(monkeypatch, name, fn, shape=None):
+    """`register_transform`, undone after the test (a name can be registered only once)."""
+    monkeypatch.setattr(rules_mod, "TRANSFORMS", dict(rules_mod.TRANSFORMS))
+    monkeypatch.setattr(rules_mod, "_SHAPES", dict(rules_mod._SHAPES))
+    rules_mod.register_transform(name, fn, shape=shape)
+
+
+# Defect 1: a registered transform whose result does not have the target's shape (its
+# `shape` function lies, or its shape depends on the values) was written under the
+# target's name with the wrong shape: a `.msgpack` kernel [8, 8] where the template has
+# [8, 2, 4], no error. Now every plan's result is checked against the target's shape.
+def test_a_transform_returning_the_wrong_shape_is_refused_not_written(monkeypatch):
+    _transform(monkeypatch, "a17_liar", lambda a: a.T, shape=lambda s: s)
+    out = convert(_numpy_record(0), _torch_template(),
+                  rules=[Rule(r"layers\.0\.weight", "layers.0.weight", transform="a17_liar")])
+    with pytest.raises(ConversionError, match=r"layers\.0\.weight.*a17_liar.*\[4, 8\].*\[8, 4\]"):
+        out.save(NamedMpkBytesRecorder())
+
+
+def test_a_transform_whose_shape_depends_on_the_values_is_refused(monkeypatch):
+    _transform(monkeypatch, "a17_datadep", lambda a: a if a.dtype == np.uint8 else a[1:])
+    out = convert(_numpy_record(0), _torch_template(),
+                  rules=[Rule(r"layers\.0\.bias", "layers.0.bias", transform="a17_datadep")])
+    # the shape probe (a uint8 array) sees the right shape; real values lose an element
+    with pytest.raises(ConversionError, match=r"layers\.0\.bias.*a17_datadep"):
+        out.save(NamedMpkBytesRecorder())
+
+
+# Defect 1b: a transform that raises on real values escaped as its own exception
+# (ZeroDivisionError) from the middle of a save; now a ConversionError naming the target.
+def test_a_transform_that_raises_on_real_values_is_a_conversion_error(monkeypatch):
+    _transform(monkeypatch, "a17_raiser", lambda a: a if a.dtype == np.uint8 else 1 / 0)
+    out = convert(_numpy_record(0), _torch_template(),
+                  rules=[Rule(r"layers\.1\.weight", "layers.1.weight", transform="a17_raiser")])
+    with pytest.raises(ConversionError, match=r"layers\.1\.weight.*a17_raiser.*ZeroDivisionError"):
+        out.save(NamedMpkBytesRecorder())
+
+
+def test_a_transform_returning_no_array_is_refused(monkeypatch):
+    _transform(monkeypatch, "a17_objects", lambda a: a if a.dtype == np.uint8 else a.astype(object))
+    out = convert(_numpy_record(0), _torch_template(),
+                  rules=[Rule(r"layers\.1\.bias", "layers.1.bias", transform="a17_objects")])
+    with pytest.raises(ConversionError, match=r"layers\.1\.bias.*a17_objects.*object"):
+        out.save(NamedMpkBytesRecorder())
