@@ -75,3 +75,49 @@ def test_a_transform_returning_no_array_is_refused(monkeypatch):
                   rules=[Rule(r"layers\.1\.bias", "layers.1.bias", transform="a17_objects")])
     with pytest.raises(ConversionError, match=r"layers\.1\.bias.*a17_objects.*object"):
         out.save(NamedMpkBytesRecorder())
+
+
+# Defect 2: `read_file` trusted a registered format's reader. A reader returning something
+# else than `(Header, Item)` made `trainrec verify` print OK (0 tensors) and `inspect`
+# crash with an AttributeError traceback; a reader raising KeyError escaped as a
+# traceback from the CLI; an item with a set in it was printed as a tree. Now the
+# result is checked (a third party's tree with `check_item`) and a reader's
+# non-RecorderError failure is a CorruptRecordError naming the format and the file.
+def _acme(monkeypatch, tmp_path, reader):
+    from trainrec import formats
+
+    monkeypatch.setattr(formats, "_registered", [])
+    formats.register_format(formats.Format("a17.acme", (".acme",), lambda h: h.startswith(b"A17\n"),
+                                           reader, "trainrec_a17:Nothing"))
+    path = tmp_path / "f.acme"
+    path.write_bytes(b"A17\nrest")
+    return path
+
+
+@pytest.mark.parametrize("returned", ["text", ("text", {}), ("header", {"x": {1, 2}})])
+def test_a_third_party_reader_returning_garbage_is_refused(monkeypatch, tmp_path, returned):
+    from trainrec.cli import main
+    from trainrec.errors import CorruptRecordError
+    from trainrec.format import Header
+
+    header = Header("a17.acme", (1, 0), "", trainrec.NativePrecisionSettings(), "X")
+    got = (header, returned[1]) if returned[0] == "header" else returned
+    path = _acme(monkeypatch, tmp_path, lambda p, mmap: got)
+    with pytest.raises(CorruptRecordError, match=r"f\.acme"):
+        trainrec.read_file(path)
+    assert main(["verify", str(path)]) != 0
+    assert main(["inspect", str(path)]) == 3
+
+
+def test_a_third_party_reader_raising_is_a_corrupt_record_error(monkeypatch, tmp_path):
+    from trainrec.cli import main
+    from trainrec.errors import CorruptRecordError
+
+    def reader(path, mmap):
+        raise KeyError("boom")
+
+    path = _acme(monkeypatch, tmp_path, reader)
+    with pytest.raises(CorruptRecordError, match=r"a17.acme.*KeyError"):
+        trainrec.read_file(path)
+    assert main(["inspect", str(path)]) == 3
+    assert main(["verify", str(path)]) != 0
