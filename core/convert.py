@@ -421,7 +421,7 @@ def _run(plan: Plan, tensors: Sequence[TensorData], where: str) -> np.ndarray[An
         got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__)
         raise ConversionError(f"{where or plan.target}: {plan.why} gave {got}, the target is "
                               f"{list(plan.shape)}")
-    return np.ascontiguousarray(out)
+    return np.asarray(out, order="C")  # C order, and a 0-d array stays 0-d
 
 
 def _sourced(plan: Plan, found: dict[str, TensorData], what: str, problems: list[str],

@@ -419,7 +419,7 @@ def _plan_fn(op: Transform, count: int, part: int | None) -> Callable[[Sequence[
         if len(arrays) != count:
             raise ValueError(f"expected {count} source arrays, got {len(arrays)}")
         out = op(arrays[0] if count == 1 else np.stack(arrays))
-        return np.ascontiguousarray(out if part is None else out[part])
+        return np.asarray(out if part is None else out[part], order="C")  # keeps 0-d (ascontiguousarray: 1-d)
 
     return fn
 

@@ -121,3 +121,34 @@ def test_a_third_party_reader_raising_is_a_corrupt_record_error(monkeypatch, tmp
         trainrec.read_file(path)
     assert main(["inspect", str(path)]) == 3
     assert main(["verify", str(path)]) != 0
+
+
+# Defect 3: 0-d tensors became 1-d. `np.ascontiguousarray` returns at least one dimension,
+# and the rules' plans, the conversion's reads and `ArrayApiBackend.from_host` used it: a
+# scalar parameter (a learned temperature) converted by a rule was written as f32[1]
+# (with its Adam moments) under a tensor that says shape [], and restored into flax as
+# shape (1,); the numpy, array-api-strict and torch backends uploaded a 0-d host array
+# as shape (1,).
+def test_a_rule_keeps_a_0d_tensor_0d():
+    plans, problems = rules_mod.plan_rules([Rule("s", "t")], {"s": ()}, {"t": ()})
+    assert not problems
+    assert plans["t"].fn([np.array(2.5, np.float32)]).shape == ()
+
+
+def test_a_scalar_parameter_converts_as_a_scalar(monkeypatch):
+    _transform(monkeypatch, "a17_keep", lambda a: a)
+    plans, _ = rules_mod.plan_rules([Rule("s", "t", transform="a17_keep")], {"s": ()}, {"t": ()})
+    from trainrec.convert import _apply
+    from trainrec.tensor import TensorData
+
+    out = _apply(plans["t"], [TensorData.from_array(np.array(2.5, np.float32))])
+    assert out.shape == () and out.read().shape == ()
+
+
+@pytest.mark.parametrize("library", ["numpy", "array_api_strict", "torch"])
+def test_array_api_backend_uploads_a_0d_array_as_0d(library):
+    xp = pytest.importorskip(library)
+    backend = trainrec.ArrayApiBackend(xp)
+    out = backend.from_host(np.array(3.0, np.float32), "cpu")
+    assert tuple(out.shape) == ()
+    assert backend.to_host(out).shape == ()
