@@ -152,3 +152,101 @@ def test_array_api_backend_uploads_a_0d_array_as_0d(library):
     out = backend.from_host(np.array(3.0, np.float32), "cpu")
     assert tuple(out.shape) == ()
     assert backend.to_host(out).shape == ()
+
+
+# A new adapter author's neutral form, written from spec/ADAPTERS.md section 8 alone, with
+# only `trainrec` and `trainrec.adapter_kit` imports: a toy framework whose dense layers
+# keep `W` as [in, out] and `b`, under Adam (`count`, `m`, `v`). Converted to torch with
+# no edit to trainrec: torch's `weight` is `W` transposed, moments included.
+def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from trainrec import StateRecord, TensorData
+    from trainrec import convert as convert_mod
+    from trainrec.adapter_kit import (
+        GradientsParamsRecord,
+        Neutral,
+        NeutralOptimizer,
+        as_count,
+        as_map,
+        register_neutral_form,
+        tensors_of,
+    )
+
+    class ToyForm:
+        name, kinds, keeps_rate, rng_markers = "toyfw", ("toyfw",), False, frozenset()
+
+        def parameters(self, model, role):
+            return tensors_of(model.item, f"{role}.model")
+
+        def candidates(self, name, shape):
+            path, _, leaf = name.rpartition(".")
+            return {"W": [Neutral(path, "dense.kernel")], "b": [Neutral(path, "bias")]}.get(leaf, [])
+
+        def preset_rules(self, source, target):
+            return []
+
+        def read_optimizer(self, record, role, force):
+            item = as_map(record.optimizer.item, f"{role}.optimizer")
+            m, v = tensors_of(item["m"], f"{role}.optimizer.m"), tensors_of(item["v"], f"{role}.optimizer.v")
+            return NeutralOptimizer("adam", as_count(item["count"], f"{role}.optimizer.count"),
+                                    {p: {"first_moment": m[p], "second_moment": v[p]} for p in m})
+
+        def read_schedule(self, record, role, problems):
+            return []
+
+        def write_model(self, template, params):
+            return {k: params.get(k, t) for k, t in as_map(template.item, "template.model").items()}
+
+        def write_state(self, template, state):
+            names = self.parameters(template.model, "template")
+            item = as_map(template.optimizer.item, "template.optimizer")
+            out = {"count": state.step, "m": dict(item["m"]), "v": dict(item["v"])}
+            for p, like in names.items():
+                for key, which in (("m", "first_moment"), ("v", "second_moment")):
+                    got = state.moment(p, which, like, f"optimizer.{key}.{p}")
+                    if got is not None:
+                        out[key][p] = got
+            return out, None
+
+    monkeypatch.setattr(convert_mod, "_registered", list(convert_mod._registered))
+    register_neutral_form(ToyForm())
+    rng = np.random.default_rng(0)
+    shapes = {"layers.0.W": (4, 8), "layers.0.b": (8,), "layers.1.W": (8, 3), "layers.1.b": (3,)}
+
+    def toy_record(count, fill):
+        arrays = {k: TensorData.from_array(fill(s)) for k, s in shapes.items()}
+        moments = {key: {k: TensorData.from_array(fill(s)) for k, s in shapes.items()} for key in "mv"}
+        return TrainingRecord(StateRecord("toyfw.MLP", arrays),
+                              StateRecord("toyfw.Adam", {"count": count, **moments}),
+                              None, GradientsParamsRecord({}), {"micro": 0})
+
+    src = toy_record(3, lambda s: np.abs(rng.normal(size=s)).astype(np.float32))
+    torch_tpl = _torch_template()
+    out = convert(src, torch_tpl)
+    tensors = dict(out.model.item["tensors"]) if "tensors" in out.model.item else out.model.item
+    w = src.model.item["layers.0.W"].read()
+    assert np.array_equal(tensors["layers.0.weight"].read(), w.T)
+    back = convert(out, toy_record(0, lambda s: np.zeros(s, np.float32)))
+    for k in shapes:
+        assert np.array_equal(back.model.item[k].read(), src.model.item[k].read()), k
+        for key in "mv":
+            assert np.array_equal(back.optimizer.item[key][k].read(), src.optimizer.item[key][k].read()), k
+    assert back.optimizer.item["count"] == 3
+
+
+# Defect 4 (not fixed): a rule's regular expression is matched by Python's `re` with no
+# time bound, against source names that come from the (possibly untrusted) record: a
+# user's pattern with nested quantifiers backtracks exponentially on a crafted name
+# (`(a+)+b` on 40 `a`s takes hours). Python's `re` has no timeout; a fix needs a linear
+# engine (`re2`) or a bound on patterns. Documented in spec/CONVERSION.md ("Refusals").
+@pytest.mark.xfail(strict=True, reason="regex matching of rules has no time bound (ReDoS)")
+def test_a_rule_with_nested_quantifiers_is_bounded_in_time():
+    import subprocess
+    import sys
+
+    code = ("from trainrec.rules import Rule, plan_rules\n"
+            "plan_rules([Rule('(a+)+b', 't')], {'a' * 40: (1,)}, {'t': (1,)})\n")
+    try:
+        subprocess.run([sys.executable, "-c", code], timeout=5, check=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("plan_rules ran for more than 5 s on a 40-character name")
