@@ -159,7 +159,7 @@ def test_array_api_backend_uploads_a_0d_array_as_0d(library):
 # keep `W` as [in, out] and `b`, under Adam (`count`, `m`, `v`). Converted to torch with
 # no edit to trainrec: torch's `weight` is `W` transposed, moments included.
 def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(monkeypatch):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from trainrec import StateRecord, TensorData
     from trainrec import convert as convert_mod
     from trainrec.adapter_kit import (
