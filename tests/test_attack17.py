@@ -250,3 +250,24 @@ def test_a_rule_with_nested_quantifiers_is_bounded_in_time():
         subprocess.run([sys.executable, "-c", code], timeout=5, check=True)
     except subprocess.TimeoutExpired:
         pytest.fail("plan_rules ran for more than 5 s on a 40-character name")
+
+
+# Defect 5: `trainrec convert --to mpk` (a re-encoding) silently ignored the conversion's
+# options: `--rules` (even a malformed file), `--template`, `--lr`, `--force`,
+# `--drop-rng`, `--allow-lossy` all exited 0 having done nothing with them. Now exit 2
+# naming them.
+@pytest.mark.parametrize("extra", [["--rules", "{rules}"], ["--rules", "attention"], ["--template", "{src}"],
+                                   ["--lr", "0.1"], ["--force"], ["--drop-rng"], ["--allow-lossy"],
+                                   ["--map", "{rules}"]])
+def test_convert_to_mpk_refuses_the_conversion_options(tmp_path, capsys, extra):
+    from trainrec.cli import main
+
+    src = tmp_path / "a.mpk"
+    _numpy_record(0).save(trainrec.DefaultRecorder(), src)
+    rules = tmp_path / "bad.json"
+    rules.write_text('{"rules": [{"match": "("}]}')
+    args = [a.format(rules=rules, src=src) for a in extra]
+    assert main(["convert", str(src), str(tmp_path / "b.mpk"), "--to", "mpk", *args]) == 2
+    assert extra[0] in capsys.readouterr().err
+    assert not (tmp_path / "b.mpk").exists()
+    assert main(["convert", str(src), str(tmp_path / "b.mpk"), "--to", "mpk"]) == 0
