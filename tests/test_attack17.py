@@ -271,3 +271,27 @@ def test_convert_to_mpk_refuses_the_conversion_options(tmp_path, capsys, extra):
     assert extra[0] in capsys.readouterr().err
     assert not (tmp_path / "b.mpk").exists()
     assert main(["convert", str(src), str(tmp_path / "b.mpk"), "--to", "mpk"]) == 0
+
+
+# Defect 6: a rules file nested deeply (`[[[...]]]`) ended the CLI in a RecursionError
+# traceback; a file that is not UTF-8 was refused without naming the file.
+def test_a_deeply_nested_or_binary_rules_file_is_refused_naming_it(tmp_path, capsys):
+    from trainrec.rules import load_rules
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError, match="deep.json"):
+        load_rules(deep)
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="binary.json"):
+        load_rules(binary)
+
+
+# Defect 7: a registered transform whose `shape` function returns no shape (an int) made
+# `plan_rules` raise TypeError ("'int' object is not iterable") instead of stating the
+# problem with the rule.
+def test_a_transform_shape_function_returning_no_shape_is_a_problem(monkeypatch):
+    _transform(monkeypatch, "a17_badshape", lambda a: a, shape=lambda s: 5)
+    plans, problems = rules_mod.plan_rules([Rule("a", "t", transform="a17_badshape")], {"a": (2,)}, {"t": (2,)})
+    assert not plans and len(problems) == 1 and "a17_badshape" in problems[0]
