@@ -295,3 +295,17 @@ def test_a_transform_shape_function_returning_no_shape_is_a_problem(monkeypatch)
     _transform(monkeypatch, "a17_badshape", lambda a: a, shape=lambda s: 5)
     plans, problems = rules_mod.plan_rules([Rule("a", "t", transform="a17_badshape")], {"a": (2,)}, {"t": (2,)})
     assert not plans and len(problems) == 1 and "a17_badshape" in problems[0]
+
+
+# Defect 8: `trainrec inspect` on a plain `torch.save(model.state_dict())` file said only
+# "SETITEM on _Hooks, not a dict (pickle byte 234)": a new user reading README ("`.pt` ...
+# files are all read without torch") could not tell that only TorchFileRecorder's `.pt`
+# files are read. Now the message says what the file is and what reads it.
+def test_a_plain_torch_save_file_is_refused_saying_what_it_is(tmp_path):
+    torch = pytest.importorskip("torch")
+    from trainrec.errors import CorruptRecordError
+
+    path = tmp_path / "plain.pt"
+    torch.save(torch.nn.Linear(2, 3).state_dict(), path)
+    with pytest.raises(CorruptRecordError, match=r"not a trainrec \.pt record.*TorchFileRecorder.*torch\.load"):
+        trainrec.read_file(path)
