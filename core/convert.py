@@ -507,8 +507,12 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
     (f32 weights into a bfloat16 template) is refused where the cast changes a value
     (checked exactly, `trainrec.precision.is_lossless`) unless `allow_lossy=True`, which
     rounds them. `ValueError` for an `lr` that is not a rate per group, or given for a
-    target that computes its rate from the schedule position.
+    target that computes its rate from the schedule position. `TypeError` for `rules` that
+    are not a list of `Rule`s (a path or a preset's name: `load_rules` reads it).
     """
+    if rules is not None and (isinstance(rules, (str, Rule)) or not all(isinstance(r, Rule) for r in rules)):
+        raise TypeError(f"rules must be a list of trainrec.rules.Rule, got {rules!r:.80}; "
+                        "load_rules(path or preset name) reads a rules file")
     src, dst = form_for(source, "source"), form_for(template, "template")
     if src.name == dst.name:
         raise ConversionError(f"both records are {src.name}: nothing to convert")

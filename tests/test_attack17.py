@@ -309,3 +309,12 @@ def test_a_plain_torch_save_file_is_refused_saying_what_it_is(tmp_path):
     torch.save(torch.nn.Linear(2, 3).state_dict(), path)
     with pytest.raises(CorruptRecordError, match=r"not a trainrec \.pt record.*TorchFileRecorder.*torch\.load"):
         trainrec.read_file(path)
+
+
+# Defect 9: `convert(..., rules="attention")` (a preset's name, as `--rules` takes it), a
+# single `Rule`, or a list holding something else failed deep inside the engine with
+# AttributeError / "'Rule' object is not iterable". Now a TypeError saying what to pass.
+@pytest.mark.parametrize("rules", ["attention", Rule("a", "b"), [Rule("a", "b"), "attention"]])
+def test_convert_refuses_rules_that_are_not_a_list_of_rules(rules):
+    with pytest.raises(TypeError, match="load_rules"):
+        convert(_numpy_record(0), _numpy_record(1), rules=rules)
