@@ -179,7 +179,7 @@ class ArrayApiBackend:
         dev = self.device(device)
         dtype = DType.from_numpy(array.dtype)
         native = self._native_dtype(dtype, dev)
-        host = np.ascontiguousarray(array)
+        host = np.asarray(array, order="C")  # a 0-d array stays 0-d (ascontiguousarray: 1-d)
         out = _first(
             lambda: self.xp.asarray(host, dtype=native, device=dev, copy=True),
             # from a copy of ours: whatever from_dlpack shares, no one else holds it

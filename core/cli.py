@@ -95,8 +95,8 @@ def _main(argv: Sequence[str] | None) -> int:
     con.add_argument("src")
     con.add_argument("dst")
     con.add_argument("--to", required=True, metavar="FORM",
-                     help="mpk (re-encode as NamedMpk), or the target's neutral form: torch, jax, "
-                          "trainrec.numpy, or the name an adapter registers (spec/ADAPTERS.md section 8)")
+                     help="mpk (re-encode as NamedMpk; none of the options below apply), or the target's "
+                          "neutral form: torch, jax, trainrec.numpy, or the name an adapter registers (spec/ADAPTERS.md section 8)")
     con.add_argument("--template", help="record file of the target (for every --to but mpk)")
     con.add_argument("--rules", action="append", metavar="FILE",
                      help="conversion rules: a JSON file {\"rules\": [{\"match\", \"replace\", ...}]} "
@@ -392,6 +392,15 @@ def _convert(args: argparse.Namespace) -> int:
     from .rules import PRESETS, load_rules
     from .training import TrainingRecord
 
+    if args.to == "mpk":  # a re-encoding: the conversion's options would be silently ignored
+        unused = [flag for flag, given in (("--template", args.template), ("--rules", args.rules),
+                                           ("--map", args.map), ("--lr", args.lr), ("--force", args.force),
+                                           ("--drop-rng", args.drop_rng), ("--allow-lossy", args.allow_lossy))
+                  if given not in (None, False, [])]
+        if unused:
+            print(f"trainrec convert: --to mpk re-encodes the record as it is; {', '.join(unused)} "
+                  "apply only to a conversion (--to FORM)", file=sys.stderr)
+            return 2
     try:
         for given in (args.src, args.template, args.map):
             if given is not None:

@@ -396,15 +396,32 @@ def _apply(plan: Plan, tensors: Sequence[TensorData], like: TensorData | None = 
     goes to `lossy`."""
     dtype = like.dtype if like is not None else tensors[0].dtype
     if lossy is not None and any(t.dtype is not dtype for t in tensors):
-        out = TensorData.from_array(np.ascontiguousarray(plan.fn([t.read() for t in tensors])), copy=False)
+        out = TensorData.from_array(_run(plan, tensors, where), copy=False)
         if not is_lossless(out, dtype):
             lossy.append(f"{where} ({tensors[0].dtype.value} -> {dtype.value})")
 
     def load() -> np.ndarray[Any, Any]:
-        arr = np.ascontiguousarray(plan.fn([t.read() for t in tensors]))
+        arr = _run(plan, tensors, where)
         return arr.astype(dtype.numpy) if arr.dtype != dtype.numpy else arr
 
     return TensorData(dtype, plan.shape, load)
+
+
+def _run(plan: Plan, tensors: Sequence[TensorData], where: str) -> np.ndarray[Any, Any]:
+    """`plan.fn` on the sources' values, checked: a transform that fails, or returns
+    anything but a numeric array of the target's shape, is a `ConversionError` naming the
+    target and the rule, never a wrongly shaped tensor written under the target's name."""
+    try:
+        out = plan.fn([t.read() for t in tensors])
+    except RecorderError:
+        raise
+    except Exception as e:  # a user's transform failing on real values
+        raise ConversionError(f"{where or plan.target}: {plan.why} failed ({type(e).__name__}: {e})") from e
+    if not isinstance(out, np.ndarray) or out.dtype.kind in "OSUmM" or tuple(out.shape) != plan.shape:
+        got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__)
+        raise ConversionError(f"{where or plan.target}: {plan.why} gave {got}, the target is "
+                              f"{list(plan.shape)}")
+    return np.asarray(out, order="C")  # C order, and a 0-d array stays 0-d
 
 
 def _sourced(plan: Plan, found: dict[str, TensorData], what: str, problems: list[str],
@@ -490,8 +507,12 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
     (f32 weights into a bfloat16 template) is refused where the cast changes a value
     (checked exactly, `trainrec.precision.is_lossless`) unless `allow_lossy=True`, which
     rounds them. `ValueError` for an `lr` that is not a rate per group, or given for a
-    target that computes its rate from the schedule position.
+    target that computes its rate from the schedule position. `TypeError` for `rules` that
+    are not a list of `Rule`s (a path or a preset's name: `load_rules` reads it).
     """
+    if rules is not None and (isinstance(rules, (str, Rule)) or not all(isinstance(r, Rule) for r in rules)):
+        raise TypeError(f"rules must be a list of trainrec.rules.Rule, got {rules!r:.80}; "
+                        "load_rules(path or preset name) reads a rules file")
     src, dst = form_for(source, "source"), form_for(template, "template")
     if src.name == dst.name:
         raise ConversionError(f"both records are {src.name}: nothing to convert")
@@ -566,7 +587,7 @@ def convert(source: TrainingRecord[Any], template: TrainingRecord[Any], *,
                 tensors = _sourced(plans[name], dict(source.grads.grads), "pending gradient", state_problems,
                                    f"grads.{name}")
                 if tensors is not None:
-                    grads[name] = _apply(plans[name], tensors)
+                    grads[name] = _apply(plans[name], tensors, where=f"grads.{name}")
     if state_problems:
         refusals.append(_refusal("optimizer state and pending gradients do not map", state_problems))
     if lossy and not allow_lossy:

@@ -304,6 +304,10 @@ _BUILTIN: tuple[Format, ...] = (
 )
 
 
+BUILTIN_FORMATS = _BUILTIN
+"""The formats trainrec ships (whose readers `read_file` trusts to return items)."""
+
+
 def _clear_entry_point_cache() -> None:
     """Forget the formats entry points declared (for tests that change them)."""
     global _from_entry_points

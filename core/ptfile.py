@@ -565,7 +565,17 @@ def _parse(buf: Any, entries: dict[str, _Entry], source: str, signed: bool, *, o
     pkl = entries[pickles[0]]
     machine = _Machine(memoryview(buf).cast("B")[pkl.start : pkl.start + pkl.size], buf, entries,
                        prefix, source, owned, limits)
-    doc = machine.run()
+    try:
+        doc = machine.run()
+    except CorruptRecordError as e:
+        if FORMAT.encode() in bytes(machine.data):
+            raise
+        # a torch.save file of something else (a state_dict, a model): say so, not just where
+        # the interpreter of trainrec's subset stopped
+        stopped = str(e.args[0]).removesuffix(f" (file {source}, key 'data.pkl')")
+        raise CorruptRecordError(f"not a trainrec .pt record: a torch.save file that TorchFileRecorder "
+                                 f"did not write (torch.load reads it); {stopped}",
+                                 source=source, key="data.pkl") from None
 
     def fail(msg: str, key: str = "") -> CorruptRecordError:
         return CorruptRecordError(msg, source=source, key=key)

@@ -32,7 +32,7 @@ from .format import (
     read_document,
     write_document,
 )
-from .items import Item
+from .items import Item, check_item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
 from .sniff import HEAD_BYTES, reader_of
@@ -286,10 +286,23 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
             ones), or of one format but named as another's.
         UnsupportedVersionError: written by a format version this trainrec cannot read.
     """
-    from .formats import resolve_format
+    from .formats import BUILTIN_FORMATS, resolve_format
 
     p = path_arg(path)
-    return resolve_format(p, _head(p)).reader(p, mmap)
+    fmt = resolve_format(p, _head(p))
+    try:
+        got = fmt.reader(p, mmap)
+    except (RecorderError, OSError):
+        raise
+    except Exception as e:  # a registered (third party's) reader must raise RecorderErrors
+        raise CorruptRecordError(f"the reader of format {fmt.name} failed: {type(e).__name__}: {e}",
+                                 source=str(p)) from e
+    if fmt in BUILTIN_FORMATS:
+        return got
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], Header)):
+        raise CorruptRecordError(f"the reader of format {fmt.name} returned {type(got).__name__}, "
+                                 "not (Header, Item)", source=str(p))
+    return got[0], check_item(got[1], source=str(p))
 
 
 def _head(path: Path) -> bytes:

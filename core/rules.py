@@ -364,11 +364,14 @@ def load_rules(path: str | Path) -> list[Rule]:
     p = Path(path)
     if not p.exists() and str(path) in PRESETS:
         return list(PRESETS[str(path)])
-    text = p.read_text()
     try:
-        data = json.loads(text)
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     except ValueError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not a rules file (JSON nested too deeply)") from None
     return _rules_from(data, str(path))
 
 
@@ -409,9 +412,12 @@ def _layout(rule: Rule, shape: Shape, want: Shape) -> tuple[Transform, Shape] | 
     fn = TRANSFORMS[rule.transform]
     try:
         got = _SHAPES[rule.transform](shape) if rule.transform in _SHAPES else fn(_dummy(shape)).shape
+        got = tuple(got)
+        if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in got):
+            raise TypeError(f"{got!r} is not a shape")
     except Exception as e:  # a user's function failing on this shape: its reason, in the problem
         return f"transform {rule.transform!r} fails on this shape ({type(e).__name__}: {e})"
-    return fn, tuple(got)
+    return fn, tuple(int(d) for d in got)
 
 
 def _plan_fn(op: Transform, count: int, part: int | None) -> Callable[[Sequence[HostArray]], HostArray]:
@@ -419,7 +425,7 @@ def _plan_fn(op: Transform, count: int, part: int | None) -> Callable[[Sequence[
         if len(arrays) != count:
             raise ValueError(f"expected {count} source arrays, got {len(arrays)}")
         out = op(arrays[0] if count == 1 else np.stack(arrays))
-        return np.ascontiguousarray(out if part is None else out[part])
+        return np.asarray(out if part is None else out[part], order="C")  # keeps 0-d (ascontiguousarray: 1-d)
 
     return fn
 
