@@ -22,7 +22,7 @@ import trainrec
 import trainrec.adapters.jax as trj
 from trainrec import DefaultRecorder, GradientsAccumulator, RngRecord, TrainingRecord
 
-WINDOW, STEPS = 4, 12
+WINDOW, STEPS = 4, 8
 
 
 @trainrec.record
@@ -46,15 +46,44 @@ def _nnx_loss(model: Net, x: jax.Array) -> jax.Array:
     return jnp.mean((model(x) - x.sum(1, keepdims=True)) ** 2)
 
 
+@nnx.jit
+def _nnx_grads(model: Net, x: jax.Array) -> Any:
+    return nnx.grad(_nnx_loss)(model, x)  # Dropout and BatchNorm update the module
+
+
+TX = optax.adamw(1e-2)
+
+
+@nnx.jit
+def _nnx_update(optimizer: Any, model: Net, grads: Any) -> None:
+    optimizer.update(model, grads)
+
+
+@eqx.filter_jit
+def _eqx_update(model: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+    updates, opt_state = TX.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    return eqx.apply_updates(model, updates), opt_state
+
+
+@eqx.filter_jit
+def _eqx_grads(model: Any, x: jax.Array) -> Any:
+    return eqx.filter_grad(lambda m, x: jnp.mean((jax.vmap(m)(x) - x.sum(1, keepdims=True)) ** 2))(model, x)
+
+
 def build(kind: str) -> tuple[Any, Any, GradientsAccumulator, State, np.random.Generator]:
     data = np.random.default_rng(0)
-    if kind == "nnx":
-        model = Net(nnx.Rngs(params=0, dropout=1))
-        optimizer: Any = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+    if kind == "nnx":  # built under jit: one compilation, not one per initializer op
+        model = nnx.jit(lambda: Net(nnx.Rngs(params=0, dropout=1)))()
+        optimizer: Any = nnx.jit(lambda m: nnx.Optimizer(m, TX, wrt=nnx.Param))(model)
     else:
-        model = eqx.nn.MLP(6, 1, 16, 2, activation=jax.nn.relu, key=jax.random.key(0))
-        tx = optax.adamw(1e-2)
-        optimizer = trj.JaxOptimizer(tx, tx.init(eqx.filter(model, eqx.is_inexact_array)))
+        # its structure from eqx.nn.MLP, its weights from numpy: equinox's initializers
+        # compile for seconds, which a fresh process would pay again
+        shapes = eqx.filter_eval_shape(eqx.nn.MLP, 6, 1, 16, 2, activation=jax.nn.relu, key=jax.random.key(0))
+        init = np.random.default_rng(1)
+        model = jax.tree.map(lambda s: jnp.asarray(init.normal(scale=0.3, size=s.shape).astype(s.dtype))
+                             if isinstance(s, jax.ShapeDtypeStruct) else s,
+                             shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        optimizer = trj.JaxOptimizer(TX, jax.jit(TX.init)(eqx.filter(model, eqx.is_inexact_array)))
     return model, optimizer, GradientsAccumulator(), State(micro=0), data
 
 
@@ -63,20 +92,15 @@ def train(model: Any, optimizer: Any, acc: GradientsAccumulator, state: State,
     """Micro-steps until `state.micro == until`; returns the model (a new one for equinox)."""
     while state.micro < until:
         x = jnp.asarray(data.normal(size=(8, 6)).astype(np.float32))
-        if isinstance(model, nnx.Module):
-            grads: Any = nnx.grad(_nnx_loss)(model, x)  # Dropout and BatchNorm update the module
-        else:
-            grads = eqx.filter_grad(lambda m, x: jnp.mean((jax.vmap(m)(x) - x.sum(1, keepdims=True)) ** 2))(model, x)
+        grads = _nnx_grads(model, x) if isinstance(model, nnx.Module) else _eqx_grads(model, x)
         acc.accumulate(model, trj.grads_from(jax.tree.map(lambda g: g / WINDOW, grads), model))
         state.micro += 1
         if state.micro % WINDOW == 0:
             window = trj.to_tree(acc.grads(), model)
             if isinstance(model, nnx.Module):
-                optimizer.update(model, window)
+                _nnx_update(optimizer, model, window)
             else:
-                params = eqx.filter(model, eqx.is_inexact_array)
-                updates, optimizer.opt_state = optimizer.tx.update(window, optimizer.opt_state, params)
-                model = eqx.apply_updates(model, updates)
+                model, optimizer.opt_state = _eqx_update(model, optimizer.opt_state, window)
     return model
 
 
