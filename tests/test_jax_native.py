@@ -234,3 +234,8 @@ def test_resume_mid_window_in_a_fresh_process_is_bitwise_identical(kind, tmp_pat
     model = loops.train(restored.model, optimizer, GradientsAccumulator(), restored.state, data, loops.STEPS)
     exact, diff, _ = compare_items(reference, loops.final(model, optimizer).into_item(NativePrecisionSettings()))
     assert not exact and diff > 0
+
+
+def test_a_pytree_holder_names_the_unrecordable_leaf_and_the_fix():
+    with pytest.raises(TypeError, match=r"leaf 'mlp.activation' \(custom_jvp\).*EqxModule"):
+        trj.JaxModule({"mlp": {"w": jnp.ones(2), "activation": jax.nn.relu}}).into_record()

@@ -219,7 +219,17 @@ class JaxModule:
 
     def into_record(self) -> StateRecord:
         leaves, _ = flatten(self.params)
-        return StateRecord(self.kind, {k: _host(v) for k, v in leaves.items()})
+        item: dict[str, Item] = {}
+        for k, v in leaves.items():
+            try:
+                item[k] = _host(v)
+            except TypeError as e:
+                code = "a function in a pytree is code, not state: " if callable(v) else ""
+                raise TypeError(
+                    f"leaf {k!r} ({type(v).__name__}) cannot be recorded: {e}; {code}pass an "
+                    "eqx.Module or nnx.Module itself (trainrec binds it as EqxModule / NnxModule), "
+                    "or record only the arrays it can hold (eqx.filter(tree, eqx.is_array))") from e
+        return StateRecord(self.kind, item)
 
     def check_record(self, record: Any) -> None:
         leaves, _ = flatten(self.params)
