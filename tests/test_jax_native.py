@@ -239,3 +239,15 @@ def test_resume_mid_window_in_a_fresh_process_is_bitwise_identical(kind, tmp_pat
 def test_a_pytree_holder_names_the_unrecordable_leaf_and_the_fix():
     with pytest.raises(TypeError, match=r"leaf 'mlp.activation' \(custom_jvp\).*EqxModule"):
         trj.JaxModule({"mlp": {"w": jnp.ones(2), "activation": jax.nn.relu}}).into_record()
+
+
+def test_nnx_optimizer_of_another_state_is_refused_and_changes_nothing():
+    model, opt = nnx_trained(0)
+    rec = trainrec.adapt(opt).into_record(trainrec.adapt(model))
+    assert rec.kind == "flax.nnx.Optimizer" and rec.item["#transforms"][0].startswith("scale_by_adam")
+    other = Net(1)
+    sgd = nnx.Optimizer(other, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    before = nnx.clone(nnx.state(sgd))
+    with pytest.raises(RecordMismatchError, match="optimizer"):
+        trj.NnxOptimizer(sgd).load_record(rec, trj.NnxModule(other), "cpu")
+    assert same(nnx.state(sgd), before)
