@@ -30,7 +30,8 @@ _COMPONENTS = ("model", "optimizer", "scheduler", "grads", "state")
 
 @dataclass
 class RestoredTraining(Generic[U]):
-    """What `TrainingRecord.restore` returns: the caller's objects, restored, a new
+    """What `TrainingRecord.restore` returns: the caller's objects, restored (an
+    immutable native model, such as an equinox module, as its restored replacement), a new
     accumulator holding the pending gradients, and the caller's state. Apply the state
     before consuming the next training batch."""
 
@@ -209,7 +210,9 @@ class TrainingRecord(Generic[U]):
         Every component is checked first (ParamIds, shapes, dtypes, optimizer kind,
         scheduler presence); on a `RecorderError` nothing has changed. No scheduler step,
         optimizer step or gradient reset is performed. Apply the returned caller state
-        before consuming the next training batch."""
+        before consuming the next training batch. `RestoredTraining.model` is `model`,
+        restored in place, except for a native model that cannot be (an equinox module):
+        then it is the new model its adapter built (the bound module's `native`)."""
         m, o, s = _bind(model, optimizer, scheduler)
         m.check_record(self.model)
         o.check_record(self.optimizer, m)
@@ -227,7 +230,10 @@ class TrainingRecord(Generic[U]):
         accumulator.load_record(self.grads, device)
         state = self._state_on(device)
         _write_all(m, o, s, self, device)
-        return RestoredTraining(model, optimizer, scheduler, accumulator, state)
+        # an immutable native model (an equinox module) cannot be written into: its bound
+        # module holds the restored one as `native`, which the caller gets back instead
+        restored = getattr(m, "native", model) if m is not model else model
+        return RestoredTraining(restored, optimizer, scheduler, accumulator, state)
 
     def __repr__(self) -> str:
         return (

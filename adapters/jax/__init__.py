@@ -3,7 +3,10 @@
 JAX values are immutable, so the protocol objects are holders whose fields the training
 loop reassigns: `JaxModule(params)`, `JaxOptimizer(tx, opt_state)`,
 `JaxLrScheduler(schedule, count)`. `grads_from(grad_tree, module)` / `to_tree(grads,
-module)` move gradients between pytrees and `GradientsParams`.
+module)` move gradients between pytrees and `GradientsParams`. Native models bind
+as they are (`trainrec.adapt` finds them): a flax `nnx.Module` / `nnx.Optimizer` as
+`NnxModule` / `NnxOptimizer` (restored in place), an `eqx.Module` as `EqxModule`
+(restored as a new module: `RestoredTraining.model`).
 `FlaxMsgpackFileRecorder` writes flax's msgpack convention (readable by
 `flax.serialization.msgpack_restore`) without needing flax.
 
@@ -27,22 +30,28 @@ if TYPE_CHECKING:
         grads_from,
         to_tree,
     )
+    from .equinox import EqxModule
+    from .nnx import NnxModule, NnxOptimizer
     from .recorder import FlaxMsgpackFileRecorder
 
 __all__ = [
     "ADAPTER",
+    "EqxModule",
     "FlaxMsgpackFileRecorder",
     "JaxAdapter",
     "JaxBackend",
     "JaxLrScheduler",
     "JaxModule",
     "JaxOptimizer",
+    "NnxModule",
+    "NnxOptimizer",
     "grads_from",
     "to_tree",
 ]
 
 _HOME = {name: "bindings" for name in __all__}
 _HOME["FlaxMsgpackFileRecorder"] = "recorder"
+_HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
 
 
 def __getattr__(name: str) -> Any:
@@ -52,9 +61,11 @@ def __getattr__(name: str) -> Any:
     try:
         module = importlib.import_module(f"{__name__}.{home}")
     except ImportError as e:
-        if e.name is not None and e.name.partition(".")[0] in ("jax", "jaxlib", "optax", "flax"):
-            raise ImportError(f"trainrec.adapters.jax.{name} needs {e.name.partition('.')[0]}, which is not "
-                              "installed: pip install 'trainrec[jax]'", name=e.name) from e
+        if e.name is not None and e.name.partition(".")[0] in ("jax", "jaxlib", "optax", "flax", "equinox"):
+            root = e.name.partition(".")[0]
+            extra = root if root in ("flax", "equinox") else "jax"
+            raise ImportError(f"trainrec.adapters.jax.{name} needs {root}, which is not "
+                              f"installed: pip install 'trainrec[{extra}]'", name=e.name) from e
         raise
     value = getattr(module, name)
     globals()[name] = value

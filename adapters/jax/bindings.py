@@ -219,7 +219,17 @@ class JaxModule:
 
     def into_record(self) -> StateRecord:
         leaves, _ = flatten(self.params)
-        return StateRecord(self.kind, {k: _host(v) for k, v in leaves.items()})
+        item: dict[str, Item] = {}
+        for k, v in leaves.items():
+            try:
+                item[k] = _host(v)
+            except TypeError as e:
+                code = "a function in a pytree is code, not state: " if callable(v) else ""
+                raise TypeError(
+                    f"leaf {k!r} ({type(v).__name__}) cannot be recorded: {e}; {code}pass an "
+                    "eqx.Module or nnx.Module itself (trainrec binds it as EqxModule / NnxModule), "
+                    "or record only the arrays it can hold (eqx.filter(tree, eqx.is_array))") from e
+        return StateRecord(self.kind, item)
 
     def check_record(self, record: Any) -> None:
         leaves, _ = flatten(self.params)
@@ -355,14 +365,22 @@ class JaxLrScheduler:
         self.count = self._checked(record)
 
 
-def grads_from(grad_tree: Any, module: JaxModule) -> GradientsParams:
+def _as_module(module: Any) -> JaxModule:
+    """`module`, or the `JaxModule` this adapter binds it to (an `nnx.Module`, an `eqx.Module`)."""
+    bound = module if isinstance(module, JaxModule) else ADAPTER.adapt(module)
+    if not isinstance(bound, JaxModule):
+        raise TypeError(f"module must be a JaxModule, an nnx.Module or an eqx.Module, got {type(module).__name__}")
+    return bound
+
+
+def grads_from(grad_tree: Any, module: Any) -> GradientsParams:
     """Gradients by ParamId from a gradient pytree shaped like the module's trainable
     tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module, in
     any container: dict, flax `FrozenDict`, nnx `State` or `nnx.to_pure_dict`'s dicts.
-    Raises `ValueError` when `grad_tree` has leaves of which none is for a parameter of
+    `module` may be the `nnx.Module` or `eqx.Module` itself (`nnx.grad`'s `State`,
+    `eqx.filter_grad`'s module-shaped tree). Raises `ValueError` when `grad_tree` has leaves of which none is for a parameter of
     `module`."""
-    if not isinstance(module, JaxModule):
-        raise TypeError(f"module must be a JaxModule, got {type(module).__name__}")
+    module = _as_module(module)
     leaves, _ = flatten(grad_tree)
     ids = set(module.param_ids())
     prefix = module._trainable_prefix()
@@ -378,7 +396,7 @@ def grads_from(grad_tree: Any, module: JaxModule) -> GradientsParams:
     return GradientsParams(leaves)
 
 
-def to_tree(grads: GradientsParams, module: JaxModule, *, allow_empty: bool = False) -> Any:
+def to_tree(grads: GradientsParams, module: Any, *, allow_empty: bool = False) -> Any:
     """A pytree shaped like the module's trainable tree, holding `grads` (zeros for
     parameters without a gradient), as optax's `update` expects.
 
@@ -388,8 +406,7 @@ def to_tree(grads: GradientsParams, module: JaxModule, *, allow_empty: bool = Fa
     a few of each. Gradients of ParamIds the module lacks are otherwise ignored."""
     if not isinstance(grads, GradientsParams):
         raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
-    if not isinstance(module, JaxModule):
-        raise TypeError(f"module must be a JaxModule, got {type(module).__name__}")
+    module = _as_module(module)
     if grads.is_empty() and not allow_empty:
         raise ValueError(
             "grads is empty: the tree would be all zeros and the update would train on nothing "
@@ -418,8 +435,10 @@ def _some(ids: Iterable[str], n: int = 3) -> str:
 
 
 class JaxAdapter:
-    """Claims JAX arrays, the `jax.Array` type and JAX devices for `JaxBackend`; the
-    holders above implement the protocols themselves."""
+    """Claims JAX arrays, the `jax.Array` type and JAX devices for `JaxBackend`, binds a
+    flax `nnx.Module` / `nnx.Optimizer` (`NnxModule`, `NnxOptimizer`) and an equinox
+    `eqx.Module` (`EqxModule`), found only when the caller imported flax nnx or equinox;
+    the holders above implement the protocols themselves."""
 
     name = "jax"
 
@@ -428,6 +447,17 @@ class JaxAdapter:
             return _BACKEND
         if isinstance(obj, type) and issubclass(obj, jax.Array):
             return _BACKEND
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(obj, nnx.Optimizer):
+            from .nnx import NnxOptimizer
+            return NnxOptimizer(obj)
+        if nnx is not None and isinstance(obj, nnx.Module):
+            from .nnx import NnxModule
+            return NnxModule(obj)
+        eqx = sys.modules.get("equinox")
+        if eqx is not None and isinstance(obj, eqx.Module):
+            from .equinox import EqxModule
+            return EqxModule(obj)
         return None
 
 

@@ -1,0 +1,123 @@
+"""flax nnx natively: `NnxModule(model)` and `NnxOptimizer(optimizer)`.
+
+An `nnx.Module` is mutable, so these bind the live object and a restore writes into it
+(`nnx.update`): `RestoredTraining.model` is the module that was passed. `trainrec.adapt`
+finds them for an `nnx.Module` / `nnx.Optimizer` (so `TrainingRecord.capture(model,
+optimizer, ...)` takes the nnx objects themselves).
+
+ParamIds are the key paths of `nnx.state(model)` (`block.linear.kernel`). `nnx.Param`
+variables are trainable; every other variable (`BatchStat`, `RngCount`, the `RngKey`s
+of `nnx.Rngs` held by the module, user variables) is recorded and restored but receives
+no gradients. Key arrays are recorded as their key data and implementation (`_arrays`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from trainrec import RecordMismatchError, StateRecord
+from trainrec.adapter_kit import Item, expect_kind
+
+from . import _arrays
+from .bindings import JaxModule, flatten, transforms_of
+from .neutral import TRANSFORMS_KEY
+
+__all__ = ["NnxModule", "NnxOptimizer"]
+
+_HINT = ("keep only arrays in nnx Variables (a value that is not an array belongs in a plain "
+         "attribute, which nnx does not count as state)")
+
+
+def _state(obj: Any) -> tuple[dict[str, Any], Any]:
+    return flatten(nnx.state(obj))
+
+
+def _write(obj: Any, record: Any, kind: str, component: str) -> None:
+    leaves, treedef = _state(obj)
+    new = _arrays.rebuild(leaves, _arrays.check(record, kind, leaves, component))
+    nnx.update(obj, jax.tree_util.tree_unflatten(treedef, list(new.values())))
+
+
+class NnxModule(JaxModule):
+    """A flax `nnx.Module` as an `AutodiffModule`, bound to the live object: `.module`
+    (also `.native`). `.params` is `nnx.state(module)`; assigning it updates the module."""
+
+    kind = "flax.nnx.Module"
+
+    def __init__(self, module: Any) -> None:
+        if not isinstance(module, nnx.Module):
+            raise TypeError(f"NnxModule takes an nnx.Module, got {type(module).__name__}")
+        self.module = module
+
+    @property
+    def native(self) -> Any:
+        """The module itself (restored in place)."""
+        return self.module
+
+    @property  # JaxModule's field, here a view of the live module
+    def params(self) -> Any:
+        return nnx.state(self.module)
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        nnx.update(self.module, value)
+
+    def _trainable_prefix(self) -> str:
+        return ""
+
+    def trainable(self) -> Any:
+        """The `nnx.Param` state: what `nnx.grad` differentiates and `to_tree` gives."""
+        return nnx.state(self.module, nnx.Param)
+
+    def into_record(self) -> StateRecord:
+        return _arrays.capture(self.kind, _state(self.module)[0], _HINT)
+
+    def check_record(self, record: Any) -> None:
+        _arrays.check(record, self.kind, _state(self.module)[0], "model")
+
+    def load_record(self, record: Any, device: Any) -> None:
+        _write(self.module, record, self.kind, "model")
+
+
+class NnxOptimizer:
+    """A flax `nnx.Optimizer` as an `Optimizer`: its `step` and `opt_state` are recorded
+    by key path (`opt_state.0.mu.linear.kernel`), with the optax transforms' names under
+    `#transforms` as `JaxOptimizer` records them, and restored into the live object."""
+
+    kind = "flax.nnx.Optimizer"
+
+    def __init__(self, optimizer: Any) -> None:
+        if not isinstance(optimizer, nnx.Optimizer):
+            raise TypeError(f"NnxOptimizer takes an nnx.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+
+    @property
+    def native(self) -> Any:
+        return self.optimizer
+
+    def into_record(self, module: Any) -> StateRecord:
+        leaves, _ = _state(self.optimizer)
+        if TRANSFORMS_KEY in leaves or _arrays.RNG_IMPL_KEY in leaves:
+            raise ValueError("an nnx.Optimizer state leaf has a name the record reserves")
+        record = _arrays.capture(self.kind, leaves, _HINT)
+        item: dict[str, Item] = dict(record.item) if isinstance(record.item, dict) else {}
+        item[TRANSFORMS_KEY] = list(transforms_of(self.optimizer.tx))
+        return StateRecord(self.kind, item)
+
+    def _without_transforms(self, record: Any) -> StateRecord:
+        item = expect_kind(record, self.kind, "optimizer")
+        if isinstance(item, dict) and TRANSFORMS_KEY in item:
+            names = item[TRANSFORMS_KEY]
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
+            item = {k: v for k, v in item.items() if k != TRANSFORMS_KEY}
+        return StateRecord(self.kind, item)
+
+    def check_record(self, record: Any, module: Any) -> None:
+        _arrays.check(self._without_transforms(record), self.kind, _state(self.optimizer)[0], "optimizer")
+
+    def load_record(self, record: Any, module: Any, device: Any) -> None:
+        _write(self.optimizer, self._without_transforms(record), self.kind, "optimizer")
