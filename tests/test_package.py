@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -38,12 +39,19 @@ def test_core_has_no_framework_imports():
 
 
 def test_wheel_installs_into_a_fresh_venv(tmp_path):
+    # built from a copy: a build in the checkout leaves build/ and trainrec.egg-info there,
+    # whose entry points then shadow the installed ones for code run from the checkout
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"))
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(dist), str(ROOT)],
+         "-w", str(dist), str(source)],
         check=True,
     )
+    assert not (source / "trainrec.egg-info").exists() or not (ROOT / "trainrec.egg-info").exists() or \
+        (ROOT / "trainrec.egg-info").stat().st_mtime < source.stat().st_mtime  # the checkout's untouched
     (wheel,) = dist.glob("trainrec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("trainrec/__init__.py", "trainrec/py.typed", "trainrec/adapters/numpy/mlp.py",
