@@ -21,7 +21,7 @@ from typing import Any
 from .items import compare_items
 from .recorders import read_file
 from .roles import role_command
-from .workload import load_workload
+from .workload import BUNDLED, load_workload
 
 # `load_workload` is named here too: `trainrec demo --backend module:attr` checks the
 # workload it names before starting any process (cli.py)
@@ -33,7 +33,7 @@ def best_backend() -> str:
     for name, needs in (("torch", "torch"), ("jax", "jax")):
         if importlib.util.find_spec(needs) is not None:
             try:
-                if importlib.util.find_spec(f"trainrec.adapters.{name}.demo") is not None:
+                if importlib.util.find_spec(BUNDLED[name]) is not None:
                     return name
             except ModuleNotFoundError:
                 continue

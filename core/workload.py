@@ -118,8 +118,17 @@ def recorders_for(workload: Workload) -> dict[str, Recorder]:
     return {**CORE_RECORDERS, **getattr(workload, "recorders", {})}
 
 
+# the bundled adapters' workloads (with the format and neutral-form defaults, the places
+# core names adapter modules); any other adapter's is `module:attr`
+BUNDLED: dict[str, str] = {
+    "numpy": "trainrec.adapters.numpy.demo",
+    "torch": "trainrec.adapters.torch.demo",
+    "jax": "trainrec.adapters.jax.demo",
+}
+
+
 def load_workload(backend: str, variant: str = "default") -> Workload:
-    """The adapter's workload: `WORKLOADS[variant]` of `trainrec.adapters.<backend>.demo`,
+    """The adapter's workload: `WORKLOADS[variant]` of the module `BUNDLED[backend]`,
     or, for `backend` of the form `"module:attr"`, that object (a class is instantiated):
     the workload of any adapter."""
     if ":" in backend:
@@ -127,7 +136,9 @@ def load_workload(backend: str, variant: str = "default") -> Workload:
         found = getattr(importlib.import_module(module_name), attr)
         workload: Workload = found() if isinstance(found, type) else found
         return workload
-    module = importlib.import_module(f"trainrec.adapters.{backend}.demo")
+    if backend not in BUNDLED:
+        raise ValueError(f"no bundled workload {backend!r}: one of {sorted(BUNDLED)}, or module:attr")
+    module = importlib.import_module(BUNDLED[backend])
     workloads: dict[str, Workload] = getattr(module, "WORKLOADS", {"default": module.WORKLOAD})
     if variant not in workloads:
         raise ValueError(f"{backend} has no workload {variant!r}; it has {sorted(workloads)}")

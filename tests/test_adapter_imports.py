@@ -66,3 +66,31 @@ def test_the_kit_exports_what_it_lists() -> None:
     for name in ("check_tensor_map", "expect_kind", "kind_mismatches", "StateRecord", "TensorData",
                  "atomic_write", "walk", "map_tree", "Workload", "Parts"):
         assert name in kit.__all__, name
+
+
+def test_core_names_adapter_modules_only_in_the_registries_defaults() -> None:
+    """Issue 17: core works through registries; the only code in core/ that names an
+    adapter module is the defaults of the format, neutral-form and workload registries
+    (docstrings and comments may mention them)."""
+    import ast
+
+    allowed = {("formats.py", "_BUILTIN"), ("convert.py", "_BUILTIN"), ("workload.py", "BUNDLED")}
+    core = Path(trainrec.__file__).parent
+    found = []
+    for path in sorted(core.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)
+                      and isinstance(n.value, ast.Constant)}
+        spans = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
+                 if isinstance(n, (ast.Assign, ast.AnnAssign))
+                 and any(isinstance(t, ast.Name) and (path.name, t.id) in allowed
+                         for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+        for node in ast.walk(tree):
+            texts = [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
+            if isinstance(node, ast.JoinedStr):
+                texts = ["".join(v.value for v in node.values if isinstance(v, ast.Constant))]
+            if id(node) in docstrings or not any("trainrec.adapters." in t for t in texts):
+                continue
+            if not any(lo <= node.lineno <= hi for lo, hi in spans):
+                found.append(f"{path.relative_to(core)}:{node.lineno}")
+    assert not found, f"core names adapter modules outside the registries' defaults: {found}"
