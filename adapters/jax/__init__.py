@@ -2,7 +2,8 @@
 
 JAX values are immutable, so the protocol objects are holders whose fields the training
 loop reassigns: `JaxModule(params)`, `JaxOptimizer(tx, opt_state)`,
-`JaxLrScheduler(schedule, count)`. `grads_from(grad_tree, module)` / `to_tree(grads,
+`JaxLrScheduler(schedule, count)`. `JaxRngRecord` records JAX keys (typed and raw) and
+flax nnx `Rngs`. `grads_from(grad_tree, module)` / `to_tree(grads,
 module)` move gradients between pytrees and `GradientsParams`.
 `FlaxMsgpackFileRecorder` writes flax's msgpack convention (readable by
 `flax.serialization.msgpack_restore`) without needing flax.
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
         to_tree,
     )
     from .recorder import FlaxMsgpackFileRecorder
+    from .rng import JaxRngRecord
 
 __all__ = [
     "ADAPTER",
@@ -37,12 +39,14 @@ __all__ = [
     "JaxLrScheduler",
     "JaxModule",
     "JaxOptimizer",
+    "JaxRngRecord",
     "grads_from",
     "to_tree",
 ]
 
 _HOME = {name: "bindings" for name in __all__}
 _HOME["FlaxMsgpackFileRecorder"] = "recorder"
+_HOME["JaxRngRecord"] = "rng"
 
 
 def __getattr__(name: str) -> Any:

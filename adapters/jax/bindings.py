@@ -25,6 +25,7 @@ from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, T
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
 
 from .neutral import TRANSFORMS_KEY
+from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
            "JaxAdapter", "ADAPTER", "key_path", "flatten"]
@@ -97,6 +98,10 @@ class JaxBackend:
         return tuple(tensor.shape)
 
     def to_host(self, tensor: Any) -> np.ndarray[Any, Any]:
+        if is_typed_key(tensor):
+            raise TypeError(f"a typed JAX key ({tensor.dtype}) is not a tensor: record it with "
+                            "trainrec.adapters.jax.JaxRngRecord.capture(key) (a state field "
+                            "`rng: JaxRngRecord | None`)")
         return np.array(tensor, order="C", copy=True)
 
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
@@ -132,6 +137,8 @@ _BACKEND = JaxBackend()
 
 
 def _host(leaf: Any) -> Item:
+    if is_typed_key(leaf):  # nnx RngKey variables: {impl, data}, restored exactly
+        return key_item(leaf)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return TensorData.from_array(np.asarray(_BACKEND.to_host(leaf)), copy=False)
     if leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -141,7 +148,8 @@ def _host(leaf: Any) -> Item:
 
 def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]]:
     return {k: (tuple(np.shape(v)), DType.from_numpy(np.asarray(v).dtype if not isinstance(v, jax.Array) else v.dtype))
-            for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None}
+            for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None
+            and not is_typed_key(v)}
 
 
 def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
@@ -150,7 +158,9 @@ def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], devi
     new = []
     for name, leaf in live.items():
         value = recorded[name]
-        if isinstance(value, TensorData):
+        if is_typed_key(leaf):
+            new.append(key_from_item(value, leaf, name))
+        elif isinstance(value, TensorData):
             arr = np.asarray(value.array).astype(np.asarray(leaf).dtype if not isinstance(leaf, jax.Array) else leaf.dtype)
             if isinstance(leaf, jax.Array):
                 new.append(jax.device_put(arr, leaf.sharding))
@@ -174,7 +184,8 @@ def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, I
         raise RecordMismatchError(
             f"structure differs from the live pytree: missing {missing}, unexpected {wrong}",
             key=component)
-    problems = [p for k, v in scalars.items() for p in kind_mismatches(v, _host(live[k]), k)]
+    problems = [p for k, v in scalars.items() for p in
+                (key_problems(v, live[k], k) if is_typed_key(live[k]) else kind_mismatches(v, _host(live[k]), k))]
     if problems:
         raise RecordMismatchError("; ".join(problems), key=component)
     return dict(item)
