@@ -155,7 +155,7 @@ def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]
 def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
     """A new tree of the live structure whose leaves are the recorded values, each with
     its live leaf's dtype and device (or `device`, when given and the leaf is on host)."""
-    new = []
+    new: list[Any] = []
     for name, leaf in live.items():
         value = recorded[name]
         if is_typed_key(leaf):

@@ -26,7 +26,7 @@ __all__ = ["JaxRngRecord", "is_typed_key", "key_item", "key_from_item", "key_pro
 def is_typed_key(value: Any) -> bool:
     """Whether `value` is a typed JAX key array (`jax.random.key`), whose dtype numpy
     cannot hold."""
-    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    return isinstance(value, jax.Array) and bool(jnp.issubdtype(value.dtype, jax.dtypes.prng_key))
 
 
 def _is_raw_key(value: Any) -> bool:
@@ -40,7 +40,7 @@ def key_item(key: Any, where: str = "key") -> Item:
         impl = str(jax.random.key_impl(key))
         data = np.array(jax.random.key_data(key), order="C", copy=True)
         try:  # a key implementation registered in this process only would not load back
-            jax.random.wrap_key_data(data, impl=impl)
+            jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{where}: a key of implementation {impl!r} cannot be rebuilt from its name ({e})") from None
         return {"impl": impl, "data": TensorData.from_array(data, copy=False)}
@@ -63,7 +63,7 @@ def _checked_item(item: Item, where: str) -> tuple[str | None, TensorData]:
 
 
 def _describe(impl: str | None, shape: tuple[int, ...]) -> str:
-    return f"a raw uint32 key array of shape {shape}" if impl is None else f"a {impl} key array of shape {shape}"
+    return f"a raw uint32 key array of shape {shape}" if impl is None else f"a {impl} key array (key data of shape {shape})"
 
 
 def _live(key: Any) -> tuple[str | None, tuple[int, ...]]:
@@ -98,7 +98,8 @@ def key_from_item(item: Item, like: Any = None, where: str = "key") -> jax.Array
     if impl is None:
         return raw
     try:
-        return jax.random.wrap_key_data(raw, impl=impl)
+        key: jax.Array = jax.random.wrap_key_data(raw, impl=impl)
+        return key
     except (TypeError, ValueError) as e:
         raise CorruptRecordError(f"cannot rebuild a {impl} key of data shape {data.shape}: {e}", key=where) from None
 
