@@ -24,6 +24,7 @@ import numpy as np
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
 
+from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
 from .neutral import TRANSFORMS_KEY
 from .rng import is_typed_key, key_from_item, key_item, key_problems
 
@@ -295,9 +296,13 @@ def transforms_of(tx: Any) -> list[str]:
 class JaxOptimizer:
     """An optax `GradientTransformation` and its state as an `Optimizer`. The record is
     the state pytree by key path (NamedTuple field names, chain indices), restored onto
-    the structure of the live `opt_state`, and under `#transforms` the names of the optax
-    transforms (`transforms_of`), which conversion reads to know the algorithm and a
-    restore ignores (records without it load as before)."""
+    the structure of the live `opt_state`; under `#transforms` the names of the optax
+    transforms (`transforms_of`), which conversion reads to know the algorithm; under
+    `#identity` the transforms with their hyperparameters (schedules, `MultiSteps`'
+    `every_k_schedule` and `inject_hyperparams`' arguments included) and under
+    `#state_types` the optax state types per chain position (`identity.py`). A restore
+    into an optimizer whose identity or state types differ is refused, naming the
+    differences; records without them (captured before they were kept) load as before."""
 
     kind = "optax.GradientTransformation"
 
@@ -310,17 +315,31 @@ class JaxOptimizer:
         if TRANSFORMS_KEY in leaves:
             raise ValueError(f"an optax state leaf is named {TRANSFORMS_KEY!r}, which the record reserves")
         item: dict[str, Item] = {k: _host(v) for k, v in leaves.items()}
+        reserved = [k for k in (IDENTITY_KEY, STATE_TYPES_KEY) if k in leaves]
+        if reserved:
+            raise ValueError(f"an optax state leaf is named {reserved[0]!r}, which the record reserves")
         item[TRANSFORMS_KEY] = list(transforms_of(self.tx))
+        item[IDENTITY_KEY] = identity_of(self.tx)
+        item[STATE_TYPES_KEY] = state_types_of(self.opt_state)
         return StateRecord(self.kind, item)
 
-    @staticmethod
-    def _leaves_of(record: Any) -> Any:
+    def _leaves_of(self, record: Any) -> Any:
         item = expect_kind(record, JaxOptimizer.kind, "optimizer")
         if isinstance(item, dict) and TRANSFORMS_KEY in item:
             names = item[TRANSFORMS_KEY]
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
-            item = {k: v for k, v in item.items() if k != TRANSFORMS_KEY}
+        if isinstance(item, dict):
+            problems = []
+            for key, live in ((IDENTITY_KEY, lambda: identity_of(self.tx)),
+                              (STATE_TYPES_KEY, lambda: state_types_of(self.opt_state))):
+                if key in item:  # absent from records captured before trainrec kept it
+                    problems += differences(item[key], live(), key)
+            if problems:
+                raise RecordMismatchError(
+                    "the record is of another optimizer than the live one: " + "; ".join(problems)
+                    + " (build the optimizer as the recorded run did)", key="optimizer")
+            item = {k: v for k, v in item.items() if k not in (TRANSFORMS_KEY, IDENTITY_KEY, STATE_TYPES_KEY)}
         return item
 
     def check_record(self, record: Any, module: Any) -> None:
