@@ -330,11 +330,11 @@ class JaxOptimizer:
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
         if isinstance(item, dict):
-            problems = []
-            for key, live in ((IDENTITY_KEY, lambda: identity_of(self.tx)),
-                              (STATE_TYPES_KEY, lambda: state_types_of(self.opt_state))):
-                if key in item:  # absent from records captured before trainrec kept it
-                    problems += differences(item[key], live(), key)
+            problems: list[str] = []  # each key is absent from records captured before trainrec kept it
+            if IDENTITY_KEY in item:
+                problems += differences(item[IDENTITY_KEY], identity_of(self.tx), IDENTITY_KEY)
+            if STATE_TYPES_KEY in item:
+                problems += differences(item[STATE_TYPES_KEY], state_types_of(self.opt_state), STATE_TYPES_KEY)
             if problems:
                 raise RecordMismatchError(
                     "the record is of another optimizer than the live one: " + "; ".join(problems)

@@ -54,6 +54,10 @@ def _array(v: Any) -> Item:
         arr = np.asarray(v)
     except TypeError:  # a typed JAX key: its dtype names its implementation
         return {"type": str(getattr(v, "dtype", type(v).__qualname__)), "shape": list(np.shape(v))}
+    if arr.shape == () and arr.dtype.kind in "biuf":  # a number, however held (optax turns ints to floats)
+        number: Item = arr.astype(np.float64).item() if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" \
+            else arr.item()
+        return number
     out: dict[str, Item] = {"array": str(arr.dtype), "shape": list(arr.shape)}
     if arr.size <= _VALUES:
         out["values"] = arr.astype(np.float64).tolist() if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" \
