@@ -55,21 +55,29 @@ def _array(v: Any) -> Item:
     except TypeError:  # a typed JAX key: its dtype names its implementation
         return {"type": str(getattr(v, "dtype", type(v).__qualname__)), "shape": list(np.shape(v))}
     if arr.shape == () and arr.dtype.kind in "biuf":  # a number, however held (optax turns ints to floats)
-        number: Item = arr.astype(np.float64).item() if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" \
-            else arr.item()
+        number: Item = _number(float(arr.astype(np.float64))) if arr.dtype.kind == "f" else arr.item()
         return number
     out: dict[str, Item] = {"array": str(arr.dtype), "shape": list(arr.shape)}
     if arr.size <= _VALUES:
-        out["values"] = arr.astype(np.float64).tolist() if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" \
-            else arr.tolist()
+        out["values"] = [_number(x) for x in arr.astype(np.float64).reshape(-1).tolist()] \
+            if arr.dtype.kind == "f" or arr.dtype.name == "bfloat16" else arr.tolist()
     else:
         out["sha256"] = hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
     return out
 
 
+def _number(v: float) -> Item:
+    """An integral float as an int: optax's schedules turn their int constants into floats
+    when first called (`nonlocal decay_steps`), and a record taken before and one taken
+    after must be the same."""
+    return int(v) if v.is_integer() and abs(v) < 2**53 else v
+
+
 def _value(v: Any, depth: int, seen: frozenset[int]) -> Item:
     """`v` as an item of values and names (see the module docstring)."""
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if isinstance(v, float):
+        return _number(v)
+    if v is None or isinstance(v, (bool, int, str)):
         return v
     if depth <= 0 or id(v) in seen:
         return {"type": type(v).__qualname__}
