@@ -75,10 +75,11 @@ def main(role, *args):
         train(model, optimizer, state, keys, noise, data, int(args[1]))
         state.rng = trj.JaxRngRecord.capture(data, keys["dropout"], keys["data"], noise)
         TrainingRecord.capture(model, optimizer, None, GradientsAccumulator(), state).save(DefaultRecorder(), args[0])
-    elif role == "resume":
+    elif role in ("resume", "resume-without-rng"):
         record = TrainingRecord.load(DefaultRecorder(), args[0], "cpu", state_type=State)
         state = record.restore(model, optimizer, None, "cpu").state
-        keys["dropout"], keys["data"] = state.rng.apply(data, keys["dropout"], keys["data"], noise)
+        if role == "resume":  # else the keys, Rngs and Generator start over: the run differs
+            keys["dropout"], keys["data"] = state.rng.apply(data, keys["dropout"], keys["data"], noise)
         train(model, optimizer, state, keys, noise, data, STEPS)
         save_out(args[1], model, keys, noise)
 
