@@ -99,7 +99,11 @@ def to_item(value: Any, settings: PrecisionSettings, key: str = "") -> Item:
         return out
     backend = backend_for(value)
     if backend is not None and backend.is_tensor(value):
-        return convert_item(TensorData.from_array(backend.to_host(value), copy=False), settings)
+        try:
+            host = backend.to_host(value)
+        except TypeError as e:  # a tensor the backend cannot copy (a typed JAX key): say where
+            raise TypeError(f"{key or 'root'!r}: {e}") from e
+        return convert_item(TensorData.from_array(host, copy=False), settings)
     raise TypeError(
         f"{type(value).__qualname__} at {key or 'root'!r} cannot be recorded: use scalars, str, "
         "bytes, None, lists, tuples, dicts, arrays, tensors or records"
@@ -460,7 +464,9 @@ class RngRecord:
         """The current states (copies: later draws do not change the record)."""
         for g in generators:
             if not isinstance(g, np.random.Generator):
-                raise TypeError(f"expected numpy.random.Generator, got {type(g).__name__}")
+                raise TypeError(f"expected numpy.random.Generator, got {type(g).__name__} (JAX keys and "
+                                "flax nnx Rngs: trainrec.adapters.jax.JaxRngRecord; torch generators: "
+                                "trainrec.adapters.torch.TorchRngRecord)")
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state()
         return cls(

@@ -6,7 +6,8 @@ loop reassigns: `JaxModule(params)`, `JaxOptimizer(tx, opt_state)`,
 module)` move gradients between pytrees and `GradientsParams`. Native models bind
 as they are (`trainrec.adapt` finds them): a flax `nnx.Module` / `nnx.Optimizer` as
 `NnxModule` / `NnxOptimizer` (restored in place), an `eqx.Module` as `EqxModule`
-(restored as a new module: `RestoredTraining.model`).
+(restored as a new module: `RestoredTraining.model`). `JaxRngRecord` records JAX keys
+(typed and raw) and flax nnx `Rngs`.
 `FlaxMsgpackFileRecorder` writes flax's msgpack convention (readable by
 `flax.serialization.msgpack_restore`) without needing flax.
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .equinox import EqxModule
     from .nnx import NnxModule, NnxOptimizer
     from .recorder import FlaxMsgpackFileRecorder
+    from .rng import JaxRngRecord
 
 __all__ = [
     "ADAPTER",
@@ -45,6 +47,7 @@ __all__ = [
     "JaxOptimizer",
     "NnxModule",
     "NnxOptimizer",
+    "JaxRngRecord",
     "grads_from",
     "to_tree",
 ]
@@ -52,6 +55,7 @@ __all__ = [
 _HOME = {name: "bindings" for name in __all__}
 _HOME["FlaxMsgpackFileRecorder"] = "recorder"
 _HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
+_HOME["JaxRngRecord"] = "rng"
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,9 @@ import numpy as np
 from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
 
+from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
 from .neutral import TRANSFORMS_KEY
+from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
            "JaxAdapter", "ADAPTER", "key_path", "flatten"]
@@ -97,6 +99,10 @@ class JaxBackend:
         return tuple(tensor.shape)
 
     def to_host(self, tensor: Any) -> np.ndarray[Any, Any]:
+        if is_typed_key(tensor):
+            raise TypeError(f"a typed JAX key ({tensor.dtype}) is not a tensor: record it with "
+                            "trainrec.adapters.jax.JaxRngRecord.capture(key) (a state field "
+                            "`rng: JaxRngRecord | None`)")
         return np.array(tensor, order="C", copy=True)
 
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
@@ -132,6 +138,8 @@ _BACKEND = JaxBackend()
 
 
 def _host(leaf: Any) -> Item:
+    if is_typed_key(leaf):  # nnx RngKey variables: {impl, data}, restored exactly
+        return key_item(leaf)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return TensorData.from_array(np.asarray(_BACKEND.to_host(leaf)), copy=False)
     if leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -141,16 +149,19 @@ def _host(leaf: Any) -> Item:
 
 def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]]:
     return {k: (tuple(np.shape(v)), DType.from_numpy(np.asarray(v).dtype if not isinstance(v, jax.Array) else v.dtype))
-            for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None}
+            for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None
+            and not is_typed_key(v)}
 
 
 def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
     """A new tree of the live structure whose leaves are the recorded values, each with
     its live leaf's dtype and device (or `device`, when given and the leaf is on host)."""
-    new = []
+    new: list[Any] = []
     for name, leaf in live.items():
         value = recorded[name]
-        if isinstance(value, TensorData):
+        if is_typed_key(leaf):
+            new.append(key_from_item(value, leaf, name))
+        elif isinstance(value, TensorData):
             arr = np.asarray(value.array).astype(np.asarray(leaf).dtype if not isinstance(leaf, jax.Array) else leaf.dtype)
             if isinstance(leaf, jax.Array):
                 new.append(jax.device_put(arr, leaf.sharding))
@@ -174,7 +185,8 @@ def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, I
         raise RecordMismatchError(
             f"structure differs from the live pytree: missing {missing}, unexpected {wrong}",
             key=component)
-    problems = [p for k, v in scalars.items() for p in kind_mismatches(v, _host(live[k]), k)]
+    problems = [p for k, v in scalars.items() for p in
+                (key_problems(v, live[k], k) if is_typed_key(live[k]) else kind_mismatches(v, _host(live[k]), k))]
     if problems:
         raise RecordMismatchError("; ".join(problems), key=component)
     return dict(item)
@@ -294,9 +306,13 @@ def transforms_of(tx: Any) -> list[str]:
 class JaxOptimizer:
     """An optax `GradientTransformation` and its state as an `Optimizer`. The record is
     the state pytree by key path (NamedTuple field names, chain indices), restored onto
-    the structure of the live `opt_state`, and under `#transforms` the names of the optax
-    transforms (`transforms_of`), which conversion reads to know the algorithm and a
-    restore ignores (records without it load as before)."""
+    the structure of the live `opt_state`; under `#transforms` the names of the optax
+    transforms (`transforms_of`), which conversion reads to know the algorithm; under
+    `#identity` the transforms with their hyperparameters (schedules, `MultiSteps`'
+    `every_k_schedule` and `inject_hyperparams`' arguments included) and under
+    `#state_types` the optax state types per chain position (`identity.py`). A restore
+    into an optimizer whose identity or state types differ is refused, naming the
+    differences; records without them (captured before they were kept) load as before."""
 
     kind = "optax.GradientTransformation"
 
@@ -309,17 +325,31 @@ class JaxOptimizer:
         if TRANSFORMS_KEY in leaves:
             raise ValueError(f"an optax state leaf is named {TRANSFORMS_KEY!r}, which the record reserves")
         item: dict[str, Item] = {k: _host(v) for k, v in leaves.items()}
+        reserved = [k for k in (IDENTITY_KEY, STATE_TYPES_KEY) if k in leaves]
+        if reserved:
+            raise ValueError(f"an optax state leaf is named {reserved[0]!r}, which the record reserves")
         item[TRANSFORMS_KEY] = list(transforms_of(self.tx))
+        item[IDENTITY_KEY] = identity_of(self.tx)
+        item[STATE_TYPES_KEY] = state_types_of(self.opt_state)
         return StateRecord(self.kind, item)
 
-    @staticmethod
-    def _leaves_of(record: Any) -> Any:
+    def _leaves_of(self, record: Any) -> Any:
         item = expect_kind(record, JaxOptimizer.kind, "optimizer")
         if isinstance(item, dict) and TRANSFORMS_KEY in item:
             names = item[TRANSFORMS_KEY]
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
-            item = {k: v for k, v in item.items() if k != TRANSFORMS_KEY}
+        if isinstance(item, dict):
+            problems: list[str] = []  # each key is absent from records captured before trainrec kept it
+            if IDENTITY_KEY in item:
+                problems += differences(item[IDENTITY_KEY], identity_of(self.tx), IDENTITY_KEY)
+            if STATE_TYPES_KEY in item:
+                problems += differences(item[STATE_TYPES_KEY], state_types_of(self.opt_state), STATE_TYPES_KEY)
+            if problems:
+                raise RecordMismatchError(
+                    "the record is of another optimizer than the live one: " + "; ".join(problems)
+                    + " (build the optimizer as the recorded run did)", key="optimizer")
+            item = {k: v for k, v in item.items() if k not in (TRANSFORMS_KEY, IDENTITY_KEY, STATE_TYPES_KEY)}
         return item
 
     def check_record(self, record: Any, module: Any) -> None:
