@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         JaxLrScheduler,
         JaxModule,
         JaxOptimizer,
+        accumulate_tree,
         grads_from,
         to_tree,
     )
@@ -37,6 +38,7 @@ __all__ = [
     "JaxLrScheduler",
     "JaxModule",
     "JaxOptimizer",
+    "accumulate_tree",
     "grads_from",
     "to_tree",
 ]
