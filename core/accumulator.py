@@ -29,7 +29,7 @@ class GradientsAccumulator(Generic[M]):
         `load_record` needs when the device is given as a string)."""
         self._pending: dict[ParamId, Any] = {}
         self._backend = backend
-        self._module: Any = None  # the last module that was its own protocol object
+        self._module: AutodiffModule | None = None  # the last one that was its own protocol object
         self._shapes: dict[ParamId, tuple[int, ...]] = {}  # of pending, as checked (not loaded)
 
     @classmethod
@@ -110,10 +110,11 @@ class GradientsAccumulator(Generic[M]):
         """`adapt_module`, skipping the protocol checks for the module of the last call
         when it was its own protocol object (the JAX holders are): they cost more than a
         jitted accumulation of a small tree."""
-        if module is self._module:
-            return module  # type: ignore[return-value]
+        last = self._module
+        if last is not None and id(module) == id(last):
+            return last
         bound = adapt_module(module)
-        self._module = module if bound is module else None
+        self._module = bound if bound is module else None
         return bound
 
     def adopt(self, module: M, grads: GradientsParams) -> None:

@@ -5,7 +5,6 @@ No timing here: benchmarks/accumulate.py measures the speed."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
