@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from .dtypes import DType, FloatDType
@@ -30,7 +31,8 @@ class GradientsAccumulator(Generic[M]):
         self._pending: dict[ParamId, Any] = {}
         self._backend = backend
         self._module: AutodiffModule | None = None  # the last one that was its own protocol object
-        self._shapes: dict[ParamId, tuple[int, ...]] = {}  # of pending, as checked (not loaded)
+        # shapes of pending tensors, as checked against the parameters of `_module`
+        self._shapes: dict[ParamId, tuple[int, ...]] = {}
 
     @classmethod
     def new(cls) -> GradientsAccumulator[M]:
@@ -64,8 +66,14 @@ class GradientsAccumulator(Generic[M]):
     def _accumulate(self, module: M, grads: GradientsParams, dtype: DType | None) -> None:
         if not isinstance(grads, GradientsParams):
             raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
-        bound = self._adapt(module)
-        shapes = bound.param_shapes()
+        bound, same = self._adapt(module)
+        if same and grads.keys() <= self._shapes.keys():
+            # the same module object as the last call, every gradient for a pending tensor
+            # whose shape was checked against its parameter: no need to walk the module
+            shapes: Mapping[ParamId, Any] = self._shapes
+        else:
+            self._shapes = {} if not same else self._shapes
+            shapes = bound.param_shapes()
         backend = self._check_backend(bound.backend)
         # every check before any pending value changes: a rejected call changes nothing
         ids: list[ParamId] = []
@@ -82,8 +90,10 @@ class GradientsAccumulator(Generic[M]):
             if (got != shape and got != tuple(shape)) or (
                 held is not None and held_shapes.get(pid) != got and shape_of(held) != got
             ):
+                param = bound.param_shapes().get(pid)  # the module's own, for the message
                 raise ValueError(
-                    f"gradient of {pid!r} has shape {got}, parameter {tuple(shape)}"
+                    f"gradient of {pid!r} has shape {got}, parameter "
+                    f"{None if param is None else tuple(param)}"
                     + ("" if held is None else f", pending {shape_of(held)}")
                     + "; nothing was accumulated"
                 )
@@ -106,16 +116,16 @@ class GradientsAccumulator(Generic[M]):
         self._pending.update(zip(ids, summed))
         held_shapes.update(zip(ids, got_shapes))
 
-    def _adapt(self, module: M) -> AutodiffModule:
-        """`adapt_module`, skipping the protocol checks for the module of the last call
-        when it was its own protocol object (the JAX holders are): they cost more than a
-        jitted accumulation of a small tree."""
+    def _adapt(self, module: M) -> tuple[AutodiffModule, bool]:
+        """`adapt_module`, and whether `module` is the protocol object of the last call:
+        the protocol checks are then skipped (they cost more than a jitted accumulation
+        of a small tree)."""
         last = self._module
         if last is not None and id(module) == id(last):
-            return last
+            return last, True
         bound = adapt_module(module)
         self._module = bound if bound is module else None
-        return bound
+        return bound, False
 
     def adopt(self, module: M, grads: GradientsParams) -> None:
         """Make `grads` the pending gradients, as they are (dtype kept), replacing any.
@@ -128,7 +138,9 @@ class GradientsAccumulator(Generic[M]):
         The accumulator keeps its own copy where the framework's tensors are mutable."""
         if not isinstance(grads, GradientsParams):
             raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
-        bound = adapt_module(module)
+        bound, same = self._adapt(module)
+        if not same:
+            self._shapes = {}  # checked against another module
         shapes = bound.param_shapes()
         backend = self._check_backend(bound.backend)
         unknown = [pid for pid in grads if pid not in shapes]

@@ -123,6 +123,29 @@ def test_a_restored_pending_of_another_shape_is_refused_before_adding():
     assert same(pending(acc), before)
 
 
+def test_a_module_that_changed_mid_window_is_checked_again():
+    """Later calls with the same module skip walking it; a reshaped parameter, another
+    module, or a gradient for a parameter not pending still meets every check."""
+    module = trj.JaxModule(tree(0))
+    acc = GradientsAccumulator()
+    acc.accumulate(module, trj.grads_from(tree(1), module))
+    acc.accumulate(module, trj.grads_from(tree(2), module))
+    before = pending(acc)
+    module.params = {**tree(0), "b": jnp.ones(1)}  # same object, parameter 'b' reshaped
+    bad = GradientsParams({**bindings.flatten(tree(3))[0], "b": jnp.ones(1)})
+    with pytest.raises(ValueError, match=r"'b' has shape \(1,\), parameter \(1,\), pending \(5,\)"):
+        acc.accumulate(module, bad)
+    assert same(pending(acc), before)
+    other = trj.JaxModule({**tree(0), "b": jnp.ones(1)})
+    with pytest.raises(ValueError, match="pending"):
+        acc.accumulate(other, bad)
+    assert same(pending(acc), before)
+    module.params = tree(0)
+    extra = GradientsParams({**bindings.flatten(tree(3))[0], "zzz": jnp.ones(2)})
+    acc.accumulate(module, extra)  # a gradient for no parameter is still ignored
+    assert sorted(acc.pending_ids()) == ["a.w", "b", "c"]
+
+
 def test_snapshots_and_the_callers_gradients_are_never_aliased():
     module = trj.JaxModule(tree(0))
     acc = GradientsAccumulator()

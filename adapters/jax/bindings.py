@@ -263,7 +263,7 @@ class JaxModule:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         leaves, ids = _param_ids(self.trainable(), self._trainable_prefix())
-        return {k: v.shape if isinstance(v, jax.Array) else tuple(np.shape(v)) for k, v in zip(ids, leaves)}
+        return {k: tuple(np.shape(v)) for k, v in zip(ids, leaves)}
 
     def param_ids(self) -> list[str]:
         return list(self.param_shapes())
