@@ -232,8 +232,7 @@ def _param_ids(tree: Any, prefix: str) -> tuple[list[Any], tuple[str, ...]]:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     ids = _IDS.get((treedef, prefix))
     if ids is None:
-        names = flatten(tree)[0]
-        ids = tuple(f"{prefix}.{k}" if prefix else k for k in names)
+        ids = tuple(f"{prefix}.{k}" if prefix else k for k in flatten(tree)[0])
         if len(_IDS) >= 256:
             _IDS.clear()
         _IDS[(treedef, prefix)] = ids
