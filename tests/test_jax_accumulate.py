@@ -36,11 +36,15 @@ class PerLeaf(trj.JaxBackend):
     add_many = None
 
 
-def tree(seed: int, dtypes=(jnp.float32, jnp.float32, jnp.float32)) -> dict:
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
-    return {"a": {"w": jax.random.normal(k[0], (4, 3)).astype(dtypes[0])},
-            "b": jax.random.normal(k[1], (5,)).astype(dtypes[1]),
-            "c": jax.random.normal(k[2], ()).astype(dtypes[2])}
+def tree(seed: int, dtypes=(jnp.float32, jnp.float32, jnp.float32), big: bool = False) -> dict:
+    """Three leaves; with `big`, a fourth of 2**18 elements (added in its own dispatch)."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    out = {"a": {"w": jax.random.normal(k[0], (4, 3)).astype(dtypes[0])},
+           "b": jax.random.normal(k[1], (5,)).astype(dtypes[1]),
+           "c": jax.random.normal(k[2], ()).astype(dtypes[2])}
+    if big:
+        out["d"] = jax.random.normal(k[3], (512, 512)).astype(dtypes[1])
+    return out
 
 
 def bits(x) -> tuple:
@@ -65,16 +69,17 @@ MIXED = [(jnp.float32, jnp.bfloat16, jnp.float16), (jnp.bfloat16, jnp.float16, j
          (jnp.float16, jnp.float32, jnp.bfloat16)]
 
 
+@pytest.mark.parametrize("big", [False, True])
 @pytest.mark.parametrize("first", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_one_dispatch_is_bitwise_the_per_leaf_path(first):
+def test_one_dispatch_is_bitwise_the_per_leaf_path(first, big):
     """Pending f32 / bf16 / f16, incoming of mixed dtypes, then `accumulate_with_dtype`
     (which casts both): the jitted path, the per-leaf path and `accumulate_tree` agree bit
     for bit, dtypes included."""
-    module = trj.JaxModule(tree(0))
+    module = trj.JaxModule(tree(0, big=big))
     fast, slow = GradientsAccumulator(), GradientsAccumulator(backend=PerLeaf())
-    steps = [(tree(1, (first,) * 3), None)] + [(tree(2 + i, d), None) for i, d in enumerate(MIXED)]
-    steps += [(tree(9, MIXED[0]), FloatDType.F32), (tree(10, MIXED[1]), None),
-              (tree(11, MIXED[2]), FloatDType.BF16)]
+    steps = [(tree(1, (first,) * 3, big), None)] + [(tree(2 + i, d, big), None) for i, d in enumerate(MIXED)]
+    steps += [(tree(9, MIXED[0], big), FloatDType.F32), (tree(10, MIXED[1], big), None),
+              (tree(11, MIXED[2], big), FloatDType.BF16)]
     pure = None
     for g, dtype in steps:
         for acc in (fast, slow):
@@ -178,6 +183,11 @@ def test_the_jit_cache_does_not_grow_for_a_fixed_structure():
     for i in range(5):
         acc.accumulate(module, trj.grads_from(tree(i), module))
     assert bindings.TRACES[0] - start <= 4
+    big, acc = trj.JaxModule(tree(0, big=True)), GradientsAccumulator()
+    start = bindings.TRACES[0]
+    for i in range(6):
+        acc.accumulate(big, trj.grads_from(tree(i, big=True), big))
+    assert bindings.TRACES[0] - start <= 4  # the small leaves' program and the big leaf's, each twice
 
 
 def test_adopt_validates_everything_and_changes_nothing_on_error():

@@ -124,10 +124,22 @@ class JaxBackend:
     def add_many(self, pending: list[Any], grads: list[Any], dtype: DType | None) -> list[Any]:
         """`add` for many pairs in one dispatch: one jitted function of the two lists,
         compiled once per tree structure, shapes and dtypes (`pending[i]` None: the
-        gradient cast to `dtype`). Bitwise what the pair-by-pair casts and adds give.
+        gradient cast to `dtype`); leaves of 2**18 elements or more get a dispatch each. Bitwise what the pair-by-pair casts and adds give.
         No buffer is donated: a pending array may be the caller's own gradient (the first
         `accumulate` keeps it, JAX arrays being immutable) or an adopted tree."""
-        return _add_many(pending, grads, None if dtype is None else dtype.numpy.name)  # type: ignore[no-any-return]
+        name = None if dtype is None else dtype.numpy.name
+        big = [i for i, g in enumerate(grads) if g.size >= _OWN_DISPATCH]
+        if not big:
+            return _add_many(pending, grads, name)  # type: ignore[no-any-return]
+        # a large leaf gets its own dispatch: on CPU one program runs its adds one after
+        # another, while separate dispatches run on the device's threads side by side
+        small = [i for i, g in enumerate(grads) if g.size < _OWN_DISPATCH]
+        out: list[Any] = [None] * len(grads)
+        for i, v in zip(small, _add_many([pending[i] for i in small], [grads[i] for i in small], name)):
+            out[i] = v
+        for i in big:
+            out[i] = _add_many([pending[i]], [grads[i]], name)[0]
+        return out
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, JaxBackend)
@@ -138,6 +150,7 @@ class JaxBackend:
 
 _BACKEND = JaxBackend()
 TRACES = [0]  # how many times `_add_many` was traced (compiled): tests count them
+_OWN_DISPATCH = 1 << 18  # elements from which a leaf is added in a dispatch of its own
 
 
 def _sum(pending: Any, grad: Any, dtype: str | None) -> Any:
