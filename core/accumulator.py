@@ -72,7 +72,8 @@ class GradientsAccumulator(Generic[M]):
             # whose shape was checked against its parameter: no need to walk the module
             shapes: Mapping[ParamId, Any] = self._shapes
         else:
-            self._shapes = {} if not same else self._shapes
+            if not same:
+                self._shapes = {}  # checked against another module
             shapes = bound.param_shapes()
         backend = self._check_backend(bound.backend)
         # every check before any pending value changes: a rejected call changes nothing

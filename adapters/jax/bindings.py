@@ -124,7 +124,8 @@ class JaxBackend:
     def add_many(self, pending: list[Any], grads: list[Any], dtype: DType | None) -> list[Any]:
         """`add` for many pairs in one dispatch: one jitted function of the two lists,
         compiled once per tree structure, shapes and dtypes (`pending[i]` None: the
-        gradient cast to `dtype`); leaves of 2**18 elements or more get a dispatch each. Bitwise what the pair-by-pair casts and adds give.
+        gradient cast to `dtype`); leaves of 2**18 elements or more get a dispatch each.
+        Bitwise what the pair-by-pair casts and adds give.
         No buffer is donated: a pending array may be the caller's own gradient (the first
         `accumulate` keeps it, JAX arrays being immutable) or an adopted tree."""
         name = None if dtype is None else dtype.numpy.name
