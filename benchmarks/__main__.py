@@ -11,6 +11,8 @@ pending gradients):
 - lazy load: open the file and read its smallest tensor;
 - peak resident memory above the state during save and load (own subprocess each);
 - `GradientsAccumulator.accumulate` vs a hand-written `torch._foreach_add_`;
+- on JAX (`accumulate`): `accumulate` vs a jitted `jax.tree.map(jnp.add)` over the same
+  trees, 20 and 200 leaves of 64x64 f32 and 20 of 512x512, per call;
   `TrainingRecord.capture` vs `copy.deepcopy` of the state dicts;
 - on CUDA: the time `capture_async` blocks the training thread vs `capture`;
 - `Recorder.load` of a `@trainrec.record` of 128 f32 arrays (half the state), 20 loads:
@@ -46,11 +48,12 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.accumulate import jax_accumulate_rows
 from benchmarks.peers import PEERS, lazy_rows
 from benchmarks.state import parse_size, sizes, training_state
 
 SLOW = {"trainrec NamedMpkGzFileRecorder"}
-GROUPS = ("files", "lazy", "record-load", "small", "manager", "compute", "memory")  # single repeat: gzip of random floats is slow
+GROUPS = ("files", "lazy", "record-load", "small", "manager", "compute", "accumulate", "memory")  # single repeat: gzip of random floats is slow
 
 
 def _once(fn: Callable[[], Any]) -> float:
@@ -470,6 +473,11 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
     if mgr_t:
         out.append(("back-to-back CheckpointManager saves >= 0.8x synchronous throughput",
                     mgr_t["vs_sync"] >= 0.8, f"{mgr_t['vs_sync']:.2f}x"))
+    jacc = [r for r in rows if r["op"] == "accumulate (jax)" and "vs_peer" in r]
+    if jacc:
+        out.append(("accumulate on JAX <= 1.2x a jitted jax.tree.map(jnp.add)",
+                    all(1 / r["vs_peer"] <= 1.2 for r in jacc),
+                    ", ".join(f"{r['name'].split('(')[1][:-1]}: {1 / r['vs_peer']:.2f}x" for r in jacc)))
     cap = row("TrainingRecord.capture (cpu)", "capture")
     if cap:
         out.append(("capture <= 1.2x deepcopy", 1 / cap["vs_peer"] <= 1.2, f"{1 / cap['vs_peer']:.2f}x"))
@@ -513,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += small_save_rows(tmp, a.repeats) if "small" in groups else []
         rows += manager_rows(size, tmp, a.repeats) if "manager" in groups else []
         rows += compute_rows(size, a.repeats) if "compute" in groups else []
+        rows += jax_accumulate_rows(a.repeats) if "accumulate" in groups else []
         if not a.skip_memory and "memory" in groups:
             rows += memory_rows(size, tmp)
     ratios(rows)

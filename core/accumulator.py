@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 from .dtypes import DType, FloatDType
 from .errors import RecorderError, RecordMismatchError
 from .gradients import GradientsParams, GradientsParamsRecord
-from .protocols import AutodiffBackend, ParamId
+from .protocols import AutodiffBackend, AutodiffModule, ParamId
 from .registry import adapt_module, backend_for
 from .tensor import TensorData
 
@@ -29,6 +30,9 @@ class GradientsAccumulator(Generic[M]):
         `load_record` needs when the device is given as a string)."""
         self._pending: dict[ParamId, Any] = {}
         self._backend = backend
+        self._module: AutodiffModule | None = None  # the last one that was its own protocol object
+        # shapes of pending tensors, as checked against the parameters of `_module`
+        self._shapes: dict[ParamId, tuple[int, ...]] = {}
 
     @classmethod
     def new(cls) -> GradientsAccumulator[M]:
@@ -62,34 +66,111 @@ class GradientsAccumulator(Generic[M]):
     def _accumulate(self, module: M, grads: GradientsParams, dtype: DType | None) -> None:
         if not isinstance(grads, GradientsParams):
             raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
-        bound = adapt_module(module)
-        wanted = set(bound.param_ids())
-        if len(grads) and not any(pid in wanted for pid in grads):
+        bound, same = self._adapt(module)
+        if same and grads.keys() <= self._shapes.keys():
+            # the same module object as the last call, every gradient for a pending tensor
+            # whose shape was checked against its parameter: no need to walk the module
+            shapes: Mapping[ParamId, Any] = self._shapes
+        else:
+            if not same:
+                self._shapes = {}  # checked against another module
+            shapes = bound.param_shapes()
+        backend = self._check_backend(bound.backend)
+        # every check before any pending value changes: a rejected call changes nothing
+        ids: list[ParamId] = []
+        pending: list[Any] = []
+        incoming: list[Any] = []
+        got_shapes: list[tuple[int, ...]] = []
+        held_by_id, held_shapes, shape_of = self._pending, self._shapes, backend.shape_of
+        for pid, grad in grads.items():
+            shape = shapes.get(pid)
+            if shape is None:
+                continue
+            held = held_by_id.get(pid)
+            got = shape_of(grad)
+            if (got != shape and got != tuple(shape)) or (
+                held is not None and held_shapes.get(pid) != got and shape_of(held) != got
+            ):
+                param = bound.param_shapes().get(pid)  # the module's own, for the message
+                raise ValueError(
+                    f"gradient of {pid!r} has shape {got}, parameter "
+                    f"{None if param is None else tuple(param)}"
+                    + ("" if held is None else f", pending {shape_of(held)}")
+                    + "; nothing was accumulated"
+                )
+            ids.append(pid)
+            pending.append(held)
+            incoming.append(grad)
+            got_shapes.append(got)
+        if len(grads) and not ids:
             raise ValueError(
                 f"none of the {len(grads)} gradients is for a parameter of the module: gradients "
-                f"for {_some(grads)}, module parameters {_some(bound.param_ids())}; name "
+                f"for {_some(grads)}, module parameters {_some(shapes)}; name "
                 "gradients by the module's ParamIds (the adapter's grads_from does)"
             )
-        backend = self._bind(bound.backend)
-        for pid, grad in grads.items():
-            if pid not in wanted:
-                continue
-            pending = self._pending.get(pid)
-            if pending is None:
-                target = dtype or backend.dtype_of(grad)
-                fresh = backend.cast(grad, target)
-                self._pending[pid] = backend.clone(grad) if fresh is grad else fresh
-                continue
-            target = dtype or backend.dtype_of(pending)
-            if backend.dtype_of(pending) is not target:
-                pending = backend.cast(pending, target)
-            incoming = grad if backend.dtype_of(grad) is target else backend.cast(grad, target)
-            self._pending[pid] = backend.add(pending, incoming)
+        add_many = getattr(backend, "add_many", None)
+        if add_many is not None:  # one dispatch for the whole call (JAX: one jitted function)
+            summed = add_many(pending, incoming, dtype)
+        else:
+            summed = [_add(backend, p, g, dtype) for p, g in zip(pending, incoming)]
+        self._backend = backend
+        self._pending.update(zip(ids, summed))
+        held_shapes.update(zip(ids, got_shapes))
 
-    def _bind(self, backend: AutodiffBackend) -> AutodiffBackend:
+    def _adapt(self, module: M) -> tuple[AutodiffModule, bool]:
+        """`adapt_module`, and whether `module` is the protocol object of the last call:
+        the protocol checks are then skipped (they cost more than a jitted accumulation
+        of a small tree)."""
+        last = self._module
+        if last is not None and id(module) == id(last):
+            return last, True
+        bound = adapt_module(module)
+        self._module = bound if bound is module else None
+        return bound, False
+
+    def adopt(self, module: M, grads: GradientsParams) -> None:
+        """Make `grads` the pending gradients, as they are (dtype kept), replacing any.
+
+        For a loop that sums gradients itself (inside a jitted step, e.g. with
+        `trainrec.adapters.jax.accumulate_tree`): adopt its running sum before capture so
+        the checkpoint holds the window's pending gradients. Every gradient must be a float
+        tensor of the module's backend named by one of its ParamIds, shaped like that
+        parameter; otherwise `ValueError` / `TypeError` and the accumulator is unchanged.
+        The accumulator keeps its own copy where the framework's tensors are mutable."""
+        if not isinstance(grads, GradientsParams):
+            raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
+        bound, same = self._adapt(module)
+        if not same:
+            self._shapes = {}  # checked against another module
+        shapes = bound.param_shapes()
+        backend = self._check_backend(bound.backend)
+        unknown = [pid for pid in grads if pid not in shapes]
+        if unknown:
+            raise ValueError(
+                f"cannot adopt gradients for {_some(unknown)}: not parameters of the module "
+                f"(module parameters {_some(shapes)})"
+            )
+        for pid, grad in grads.items():
+            if not backend.is_tensor(grad):
+                raise TypeError(f"gradient of {pid!r} is a {type(grad).__name__}, not a "
+                                f"{backend.name} tensor")
+            got = backend.shape_of(grad)
+            if got != tuple(shapes[pid]):
+                raise ValueError(f"gradient of {pid!r} has shape {got}, parameter "
+                                 f"{tuple(shapes[pid])}; nothing was adopted")
+            if not backend.dtype_of(grad).is_float:
+                raise ValueError(f"gradient of {pid!r} has non-float dtype "
+                                 f"{backend.dtype_of(grad).value}; nothing was adopted")
+        self._pending = {pid: backend.clone(grad) for pid, grad in grads.items()}
+        self._shapes = {pid: backend.shape_of(grad) for pid, grad in grads.items()}
+        self._backend = backend
+
+    def _check_backend(self, backend: AutodiffBackend) -> AutodiffBackend:
+        """The accumulator's backend (else `backend`, which it adopts only once a call
+        succeeds); `TypeError` for a module of another framework."""
         if self._backend is None:
-            self._backend = backend
-        elif self._backend.name != backend.name:
+            return backend
+        if self._backend.name != backend.name:
             raise TypeError(
                 f"accumulator holds {self._backend.name} gradients; got a {backend.name} module"
             )
@@ -152,12 +233,14 @@ class GradientsAccumulator(Generic[M]):
             except Exception as e:
                 raise RecorderError(f"cannot place gradient on {device!r}: {e}", key=pid) from e
         self._pending = staged
+        self._shapes = {}
         self._backend = backend
 
     def grads(self) -> GradientsParams:
         """Return the accumulated gradients and reset the accumulator state."""
         out = GradientsParams(self._pending)
         self._pending = {}
+        self._shapes = {}
         return out
 
     def pending_ids(self) -> list[ParamId]:
@@ -176,6 +259,19 @@ def _some(ids: Any, n: int = 3) -> str:
     names = list(ids)
     shown = ", ".join(repr(k) for k in names[:n])
     return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > n else ''}]"
+
+
+def _add(backend: AutodiffBackend, pending: Any, grad: Any, dtype: DType | None) -> Any:
+    """`pending + grad` in `dtype` (else pending's dtype); a new copy of `grad` (cast to
+    `dtype`, else its own) when nothing is pending. What `add_many` does per pair."""
+    if pending is None:
+        fresh = backend.cast(grad, dtype or backend.dtype_of(grad))
+        return backend.clone(grad) if fresh is grad else fresh
+    target = dtype or backend.dtype_of(pending)
+    if backend.dtype_of(pending) is not target:
+        pending = backend.cast(pending, target)
+    incoming = grad if backend.dtype_of(grad) is target else backend.cast(grad, target)
+    return backend.add(pending, incoming)
 
 
 def _host(array: Any) -> TensorData:

@@ -128,6 +128,12 @@ class AutodiffBackend(Backend, Protocol):
 
     `add(pending, grad)` returns `pending + grad` in `pending`'s dtype; it may write into
     `pending` (which the accumulator owns) and never writes into `grad`.
+
+    Optional: `add_many(pending, grads, dtype)` with lists of equal length, where
+    `pending[i]` may be None; it returns for each pair what the accumulator's per-pair
+    path gives (cast both to `dtype`, else to pending's dtype, and add; with no pending a
+    new tensor of the gradient cast to `dtype`, else its own), in one call: the JAX
+    backend runs one jitted function. The accumulator uses it when present.
     """
 
     def add(self, pending: Any, grad: Any) -> Any: ...

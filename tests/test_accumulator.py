@@ -62,6 +62,38 @@ def test_accumulate_ignores_parameters_the_module_lacks(model):
     assert "not.a.param" not in acc.grads()
 
 
+def test_a_gradient_of_the_wrong_shape_changes_no_pending_tensor(model):
+    """Checked before anything is added: the in-place path would otherwise have summed
+    the earlier parameters when the last one fails."""
+    acc = GradientsAccumulator()
+    acc.accumulate(model, grads_of(model, 1.0))
+    before = pending(acc)
+    bad = grads_of(model, 2.0)
+    last = list(model.params)[-1]
+    bad.register(last, np.ones((7,) + model.params[last].shape, np.float32))
+    with pytest.raises(ValueError, match=f"{last!r} has shape"):
+        acc.accumulate(model, bad)
+    after = pending(acc)
+    assert after.keys() == before.keys()
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_adopt_replaces_pending_with_a_copy_and_validates_first(model):
+    acc = GradientsAccumulator()
+    acc.accumulate(model, grads_of(model, 1.0))
+    before = pending(acc)
+    with pytest.raises(ValueError, match="not parameters"):
+        acc.adopt(model, GradientsParams({"nope": np.ones(3, np.float32)}))
+    assert pending(acc).keys() == before.keys()
+    mine = grads_of(model, 4.0)
+    acc.adopt(model, mine)
+    for v in mine.values():
+        v += 1  # the caller's tensors, written after adopt
+    for k, v in acc.grads().items():
+        np.testing.assert_array_equal(v, np.full(model.params[k].shape, 4.0, np.float32))
+
+
 def test_the_accumulator_never_writes_into_the_callers_tensors(model):
     acc = GradientsAccumulator()
     first = grads_of(model, 1.0)

@@ -388,5 +388,5 @@ def test_the_accumulator_refuses_gradients_of_another_library():
     xp = strict()
     model = Params(ArrayApiBackend(xp), SHAPES)
     acc: GradientsAccumulator[Any] = GradientsAccumulator()
-    with pytest.raises(TypeError, match=r"array_api_strict backend's dtype_of got a numpy\.ndarray"):
+    with pytest.raises(TypeError, match=r"array_api_strict backend's (dtype|shape)_of got a numpy\.ndarray"):
         acc.accumulate(model, GradientsParams(host_grads(0)))

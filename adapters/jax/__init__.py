@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         JaxLrScheduler,
         JaxModule,
         JaxOptimizer,
+        accumulate_tree,
         grads_from,
         to_tree,
     )
@@ -48,6 +49,7 @@ __all__ = [
     "NnxModule",
     "NnxOptimizer",
     "JaxRngRecord",
+    "accumulate_tree",
     "grads_from",
     "to_tree",
 ]

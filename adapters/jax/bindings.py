@@ -29,7 +29,7 @@ from .neutral import TRANSFORMS_KEY
 from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
-           "JaxAdapter", "ADAPTER", "key_path", "flatten"]
+           "accumulate_tree", "JaxAdapter", "ADAPTER", "key_path", "flatten"]
 
 
 def _key_name(k: Any) -> str:
@@ -127,6 +127,27 @@ class JaxBackend:
     def add(self, pending: Any, grad: Any) -> jax.Array:
         return pending + grad  # type: ignore[no-any-return]
 
+    def add_many(self, pending: list[Any], grads: list[Any], dtype: DType | None) -> list[Any]:
+        """`add` for many pairs in one dispatch: one jitted function of the two lists,
+        compiled once per tree structure, shapes and dtypes (`pending[i]` None: the
+        gradient cast to `dtype`); leaves of 2**18 elements or more get a dispatch each.
+        Bitwise what the pair-by-pair casts and adds give.
+        No buffer is donated: a pending array may be the caller's own gradient (the first
+        `accumulate` keeps it, JAX arrays being immutable) or an adopted tree."""
+        name = None if dtype is None else dtype.numpy.name
+        big = [i for i, g in enumerate(grads) if g.size >= _OWN_DISPATCH]
+        if not big:
+            return _add_many(pending, grads, name)  # type: ignore[no-any-return]
+        # a large leaf gets its own dispatch: on CPU one program runs its adds one after
+        # another, while separate dispatches run on the device's threads side by side
+        small = [i for i, g in enumerate(grads) if g.size < _OWN_DISPATCH]
+        out: list[Any] = [None] * len(grads)
+        for i, v in zip(small, _add_many([pending[i] for i in small], [grads[i] for i in small], name)):
+            out[i] = v
+        for i in big:
+            out[i] = _add_many([pending[i]], [grads[i]], name)[0]
+        return out
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, JaxBackend)
 
@@ -135,6 +156,34 @@ class JaxBackend:
 
 
 _BACKEND = JaxBackend()
+TRACES = [0]  # how many times `_add_many` was traced (compiled): tests count them
+_OWN_DISPATCH = 1 << 18  # elements from which a leaf is added in a dispatch of its own
+
+
+def _sum(pending: Any, grad: Any, dtype: str | None) -> Any:
+    if pending is None:
+        return grad.astype(dtype or grad.dtype)
+    target = dtype or pending.dtype
+    return pending.astype(target) + grad.astype(target)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _add_many(pending: list[Any], grads: list[Any], dtype: str | None) -> list[Any]:
+    TRACES[0] += 1
+    return [_sum(p, g, dtype) for p, g in zip(pending, grads)]
+
+
+def accumulate_tree(pending: Any, grads: Any, dtype: Any = None) -> Any:
+    """The pure, jit-able form of `GradientsAccumulator.accumulate` for a loop that sums
+    gradients inside its own jitted step: `pending + grads` leaf by leaf, each gradient
+    cast to its pending leaf's dtype, or both cast to `dtype` when given (as
+    `accumulate_with_dtype`); `pending=None` starts a window (the gradients, cast to
+    `dtype` when given). Bitwise what the accumulator computes. Before a checkpoint hand
+    the sum to the accumulator: `acc.adopt(module, grads_from(pending, module))`."""
+    name = None if dtype is None else jnp.dtype(getattr(dtype, "numpy", dtype)).name
+    if pending is None:
+        return jax.tree.map(lambda g: _sum(None, g, name), grads)
+    return jax.tree.map(lambda p, g: _sum(p, g, name), pending, grads)
 
 
 def _host(leaf: Any) -> Item:
@@ -200,6 +249,22 @@ def _is_dict(tree: Any) -> bool:
     return frozen is not None and isinstance(tree, frozen.FrozenDict)
 
 
+_IDS: dict[tuple[Any, str], tuple[str, ...]] = {}
+
+
+def _param_ids(tree: Any, prefix: str) -> tuple[list[Any], tuple[str, ...]]:
+    """The leaves of `tree` and their ParamIds (under `prefix`), the names cached by tree
+    structure (a treedef fixes every key path): `accumulate` asks for them every call."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    ids = _IDS.get((treedef, prefix))
+    if ids is None:
+        ids = tuple(f"{prefix}.{k}" if prefix else k for k in flatten(tree)[0])
+        if len(_IDS) >= 256:
+            _IDS.clear()
+        _IDS[(treedef, prefix)] = ids
+    return leaves, ids
+
+
 class JaxModule:
     """A parameter pytree as an `AutodiffModule`: plain nested dicts, flax linen variables
     (`{"params": ..., "batch_stats": ...}`: only `params` is trainable) or a flax nnx
@@ -222,9 +287,8 @@ class JaxModule:
         return self.params["params"] if self._trainable_prefix() else self.params
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        leaves, _ = flatten(self.trainable())
-        prefix = self._trainable_prefix()
-        return {(f"{prefix}.{k}" if prefix else k): tuple(np.shape(v)) for k, v in leaves.items()}
+        leaves, ids = _param_ids(self.trainable(), self._trainable_prefix())
+        return {k: tuple(np.shape(v)) for k, v in zip(ids, leaves)}
 
     def param_ids(self) -> list[str]:
         return list(self.param_shapes())
