@@ -465,8 +465,8 @@ class RngRecord:
         for g in generators:
             if not isinstance(g, np.random.Generator):
                 raise TypeError(f"expected numpy.random.Generator, got {type(g).__name__} (JAX keys and "
-                                "flax nnx Rngs: trainrec.adapters.jax.JaxRngRecord; torch generators: "
-                                "trainrec.adapters.torch.TorchRngRecord)")
+                                "flax nnx Rngs: the JAX adapter's JaxRngRecord; torch generators: the "
+                                "torch adapter's TorchRngRecord)")
         version, internal, gauss = random.getstate()
         name, keys, pos, has_gauss, cached = np.random.get_state()
         return cls(
