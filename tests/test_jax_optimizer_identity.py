@@ -164,3 +164,27 @@ def test_state_leaves_named_like_the_reserved_keys_are_refused():
     opt = trj.JaxOptimizer(tx, {"#identity": jnp.zeros(1)})
     with pytest.raises(ValueError, match="reserves"):
         opt.into_record(None)
+
+
+def test_a_schedule_closing_over_a_module_or_object_arrays_records_names_only():
+    """A schedule defined where `optax` is a local (a closure cell holding the module) once
+    walked optax's whole namespace and recorded an object array's raw values (not an
+    item): capture failed. Modules are recorded by name, non-numeric arrays by type."""
+    import numpy as np
+
+    from trainrec.adapters.jax.identity import identity_of
+    from trainrec.items import check_item, walk
+
+    def build(optax_module):
+        tags = np.array([object(), object()], dtype=object)
+
+        def schedule(count):
+            return optax_module.linear_schedule(0.0, 1e-2, 4 + 0 * len(tags))(count)
+
+        return optax_module.adamw(schedule)
+
+    ident = identity_of(build(optax))
+    check_item(ident)
+    nodes = [node for _, node, _ in walk(ident)]
+    assert {"module": "optax"} in nodes
+    assert {"type": "ndarray", "array": "object", "shape": [2]} in nodes

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import types
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,8 @@ def _array(v: Any) -> Item:
         arr = np.asarray(v)
     except TypeError:  # a typed JAX key: its dtype names its implementation
         return {"type": str(getattr(v, "dtype", type(v).__qualname__)), "shape": list(np.shape(v))}
+    if arr.dtype.kind not in "biuf" and arr.dtype.name != "bfloat16":  # objects, strings, complex
+        return {"type": type(v).__qualname__, "array": str(arr.dtype), "shape": list(arr.shape)}
     if arr.shape == () and arr.dtype.kind in "biuf":  # a number, however held (optax turns ints to floats)
         number: Item = _number(float(arr.astype(np.float64))) if arr.dtype.kind == "f" else arr.item()
         return number
@@ -81,6 +84,8 @@ def _value(v: Any, depth: int, seen: frozenset[int]) -> Item:
         return v
     if depth <= 0 or id(v) in seen:
         return {"type": type(v).__qualname__}
+    if isinstance(v, types.ModuleType):  # a module a closure holds (`optax` itself): its name
+        return {"module": v.__name__}
     seen = seen | {id(v)}
     if isinstance(v, np.generic) or hasattr(v, "__array__") and hasattr(v, "shape") and hasattr(v, "dtype"):
         return _array(v)
