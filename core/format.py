@@ -37,6 +37,7 @@ __all__ = [
     "Header",
     "write_document",
     "document_size_bound",
+    "document_size_estimate",
     "read_document",
     "Limits",
     "check_limits",
@@ -252,23 +253,22 @@ class _Writer:
         n = math.prod(shape) * dtype.itemsize if flat is None else flat.nbytes
         # the map's fields up to its payload, packed and charged as `value` would, one
         # by one, but in one piece: small checkpoints are mostly this per-tensor work
-        dims = list(shape)
-        head = [_MAP_HEADER[saved is None], _PACKED[TENSOR_KEY], _PACKED[dtype.value]]
-        names = [TENSOR_KEY, dtype.value, "shape", "pad", "data"]
-        if saved is not None:
-            head += [_PACKED["dtype"], _PACKED[saved.value]]
-            names += ["dtype", saved.value]
-        head += [_PACKED["shape"], self._packer.pack(dims), _PACKED["pad"]]
+        # (a checkpoint saved again and again has the same shapes: they are packed once)
+        known = _HEADS.get((dtype, saved, shape))
+        if known is None:
+            known = _HEADS[(dtype, saved, shape)] = _tensor_head(dtype, saved, shape)
+            if len(_HEADS) > _MAX_HEADS:
+                _HEADS.clear()
+        start, names, dims_cost = known
         for name in names:
             if name not in self._strs:
                 self.charge(name)
-        self.charge(dims)
+        self.cost += dims_cost
         chunks = [(i, min(n, i + CHUNK_BYTES)) for i in range(0, n, CHUNK_BYTES)] or [(0, 0)]
         tail = _PACKED["data"]
         if n > CHUNK_BYTES:
             tail += self._packer.pack_array_header(len(chunks))
         tail += _bin32_header(chunks[0][1] - chunks[0][0])
-        start = b"".join(head)
         pad_len = (-(self.pos + len(start) + 2 + len(tail))) % ALIGNMENT
         self.cost += _dict_cost(5 if saved is None else 6) + _tensor_cost(len(shape))
         self.cost += _bytes_cost(ALIGNMENT - 1 if self._dry else pad_len)
@@ -293,6 +293,25 @@ class _Writer:
         self.value("crc")
         self.checksum(crc)
 
+
+def _tensor_head(
+    dtype: DType, saved: DType | None, shape: tuple[int, ...]
+) -> tuple[bytes, tuple[str, ...], int]:
+    """A tensor map's fields up to its `pad` key, packed; the strings among them; and the
+    object-budget cost of its shape list (what `_Writer.charge` adds for it)."""
+    head = [_MAP_HEADER[saved is None], _PACKED[TENSOR_KEY], _PACKED[dtype.value]]
+    names = [TENSOR_KEY, dtype.value, "shape", "pad", "data"]
+    if saved is not None:
+        head += [_PACKED["dtype"], _PACKED[saved.value]]
+        names += ["dtype", saved.value]
+    head += [_PACKED["shape"], msgpack.packb(list(shape)), _PACKED["pad"]]
+    dims_cost = _list_cost(len(shape)) + sum(0 if -32 <= d <= 127 else _NUMBER_COST for d in shape)
+    return b"".join(head), tuple(names), dims_cost
+
+
+_HEADS: dict[tuple[DType, DType | None, tuple[int, ...]], tuple[bytes, tuple[str, ...], int]] = {}
+"""`_tensor_head` by dtype, saved dtype and shape."""
+_MAX_HEADS = 4096
 
 _LONGEST_CRC = 0xFFFFFFFF
 _PACKED = {k: msgpack.packb(k) for k in (TENSOR_KEY, "dtype", "shape", "pad", "data", "crc",
@@ -360,6 +379,27 @@ def document_size_bound(
     w = _Writer(_Counter(), settings, dry=True)
     _write(w, item, settings, record_type, limits or Limits())
     return w.pos
+
+
+def document_size_estimate(item: Item, settings: PrecisionSettings) -> int:
+    """About the size of the document `write_document` writes for `item`, in one cheap
+    walk (no packing): each tensor's stored payload plus a fixed allowance for its map
+    and padding, plus the other values' and keys' lengths. For reserving disk blocks
+    before a save: it may miss by a few bytes per value either way (the writes then
+    allocate the rest, and a save frees what it reserved and did not use);
+    `document_size_bound` is the exact bound, at the price of a dry run of the writer."""
+    total = 512  # the header
+    for _path, node, _depth in walk(item, paths=False):
+        if isinstance(node, TensorData):
+            n = math.prod(node.shape) * settings.target(node.dtype).itemsize
+            total += n + ALIGNMENT + 64 + 9 * len(node.shape) + 5 * (n // CHUNK_BYTES)
+        elif isinstance(node, (str, bytes)):
+            total += len(node) * (3 if isinstance(node, str) else 1) + 5
+        elif isinstance(node, dict):
+            total += 5 + sum(len(k) * 3 + 5 for k in node if isinstance(k, str))
+        else:
+            total += 9
+    return total
 
 
 def _write(

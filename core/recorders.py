@@ -28,7 +28,7 @@ from .format import (
     ALIGNMENT,
     Header,
     check_magic,
-    document_size_bound,
+    document_size_estimate,
     read_document,
     write_document,
 )
@@ -56,6 +56,12 @@ def record_name(record_type: type[Any]) -> str:
     """The name a record type is stored under in a file header."""
     return str(getattr(record_type, "RECORD_NAME", record_type.__name__))
 
+
+
+_RESERVE_FROM_BYTES = 16 << 20
+"""Saves from this size on reserve their disk blocks first (`fallocate`), so a full disk
+fails the save before it writes; smaller ones do not: the reservation and the truncate
+that frees its unused rest cost about as much as writing a few MB (measured on ext4)."""
 
 class RecorderBase:
     """Base of trainrec's recorders (adapters' too): `record` / `load` / `load_item` in
@@ -145,7 +151,10 @@ class NamedMpkFileRecorder(RecorderBase):
         from ._atomic import atomic_write
 
         path = path_arg(args)
-        size = document_size_bound(item, self._settings, record_type)
+        check_item(item)  # bounds the walk below: a malformed item is refused before any file
+        size = document_size_estimate(item, self._settings)
+        if size < _RESERVE_FROM_BYTES:
+            size = 0  # no reservation
         with atomic_write(path, durable=self._durable, size_hint=size) as f:
             write_document(f, item, self._settings, record_type, allow_lossy=allow_lossy,
                            recorder=self.native_name())

@@ -480,10 +480,10 @@ def test_a_disk_without_room_fails_before_writing_and_keeps_the_old_file(tmp_pat
     real_write = trainrec.format.write_document
     monkeypatch.setattr(trainrec.recorders, "write_document",
                         lambda *a, **k: written.append(1) or real_write(*a, **k))
-    big = {"w": TensorData.from_array(np.zeros(1 << 20, np.float32))}
+    big = {"w": TensorData.from_array(np.zeros(8 << 20, np.float32))}  # 32 MiB: reserved first
     with pytest.raises(RecorderError, match=r"needs at least \d+ bytes"):
         NamedMpkFileRecorder().save_item(big, path)
-    assert len(calls) == 1 and 4 << 20 < calls[0] < (4 << 20) + 1024 and written == []
+    assert len(calls) == 1 and 32 << 20 < calls[0] < (32 << 20) + 1024 and written == []
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.mpk"]
 

@@ -59,3 +59,43 @@ def test_converted_and_empty_tensors_keep_their_dtype_and_shape():
     _, back = fmt.read_document(NamedMpkBytesRecorder(FullPrecisionSettings()).save_item(item), "<bytes>")
     for k, t in item.items():
         assert back[k].bitwise_equal(t), k
+
+
+def test_small_saves_skip_the_disk_reservation_and_large_ones_make_it(tmp_path, monkeypatch):
+    """Below 16 MiB a save neither reserves blocks nor truncates them away (they cost as
+    much as the writes); from 16 MiB on it reserves about its size first."""
+    from trainrec import NamedMpkFileRecorder, _atomic
+
+    calls: list[int] = []
+    real = _atomic._fallocate
+    if real is None:
+        import pytest
+
+        pytest.skip("no fallocate here")
+    monkeypatch.setattr(_atomic, "_fallocate", lambda fd, mode, off, n: calls.append(n) or real(fd, mode, off, n))
+    rng = np.random.default_rng(0)
+    small = {f"t{i}": TensorData.from_array(rng.standard_normal(5000).astype(np.float32)) for i in range(100)}
+    path = NamedMpkFileRecorder(durable=False).save_item(small, tmp_path / "s.mpk")
+    assert calls == []
+    _, back = NamedMpkFileRecorder().read(path)
+    assert all(back[k].bitwise_equal(t) and back[k].dtype == t.dtype for k, t in small.items())
+    large = {"w": TensorData.from_array(np.ones((5, 1 << 20), np.float32)), "step": 7}
+    path = NamedMpkFileRecorder(durable=False).save_item(large, tmp_path / "l.mpk")
+    assert len(calls) == 1 and path.stat().st_size <= calls[0] <= path.stat().st_size + 1024
+    _, back = NamedMpkFileRecorder().read(path)
+    assert back["w"].bitwise_equal(large["w"]) and back["step"] == 7
+
+
+def test_the_size_estimate_is_close_to_the_document_for_every_kind_of_value():
+    rng = np.random.default_rng(2)
+    items = [
+        {"w": TensorData.from_array(rng.standard_normal((3, 4)).astype(np.float64)), "s": "x" * 300,
+         "b": b"\x01" * 999, "n": [1, 2.5, None, True, {"deep": [TensorData.from_array(np.zeros(0, np.int8))]}]},
+        {f"layer{i}": TensorData.from_array(rng.standard_normal(i * 100 + 1).astype(np.float32)) for i in range(50)},
+        {"big": TensorData.from_array(np.zeros(fmt.CHUNK_BYTES // 4 + 10, np.float32))},
+    ]
+    for settings in (NATIVE, FullPrecisionSettings()):
+        for item in items:
+            size = len(NamedMpkBytesRecorder(settings).save_item(item, allow_lossy=True))
+            estimate = fmt.document_size_estimate(item, settings)
+            assert size <= estimate <= size + 1024 + 200 * len(item), (size, estimate)
