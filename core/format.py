@@ -11,6 +11,7 @@ zero-copy numpy views into that buffer.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -329,15 +330,27 @@ class _Counter:
 
 
 _PARALLEL_CRC_BYTES = 1 << 20
-_CRC_PIECE = 8 << 20
-_POOL: ThreadPoolExecutor | None = None
+_PARALLEL_VERIFY_BYTES = 8 << 20
+_VERIFY_THREADS = min(4, os.cpu_count() or 1)
+
+
+def _verify_pool() -> ThreadPoolExecutor:
+    return _pool("verify", _VERIFY_THREADS)
+_POOLS: dict[str, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def _pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """This process's thread pool `name`: a forked child (a DataLoader worker, a
+    multiprocessing fork) gets its own, since the parent's threads do not exist there."""
+    known = _POOLS.get(name)
+    if known is None or known[0] != os.getpid():
+        known = _POOLS[name] = (os.getpid(), ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix=f"trainrec-{name}"))
+    return known[1]
 
 
 def _crc_pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainrec-crc")
-    return _POOL
+    return _pool("crc", 1)
 
 
 def _crc_all(views: list[memoryview]) -> int:
@@ -513,14 +526,9 @@ class _Span:
         self.length = length
 
 
-Waiter = Callable[[int], int]
-"""`wait(n)` blocks until the first `n` bytes of the buffer are filled (or the source ends)
-and returns how many are."""
-
-
 class _Parser:
     def __init__(
-        self, buf: Any, source: str, limits: Limits, wait: Waiter | None = None, eager: bool = False,
+        self, buf: Any, source: str, limits: Limits, eager: bool = False,
         plain: bool = False, owned: bool = False,
     ) -> None:
         self.buf = buf
@@ -532,8 +540,9 @@ class _Parser:
         self.source = source
         self.limits = limits
         self.spans: list[_Span] = []
-        self.wait = wait
-        self.avail = 0 if wait is not None else self.end
+        self.avail = self.end
+        self.unverified: list[tuple[list[_Span], int, str]] = []
+        """The eager parse's tensors whose checksums `verify_tensors` has still to check."""
         self.eager = eager
         self.budget = limits.object_budget(self.end)
         self.plain = plain
@@ -546,8 +555,6 @@ class _Parser:
         return CorruptRecordError(message, source=self.source, key=key)
 
     def need(self, upto: int, key: str) -> None:
-        if upto > self.avail and self.wait is not None:
-            self.avail = self.wait(upto)
         if upto > self.avail:
             raise self.fail(f"the source ended after {self.avail} of {self.end} bytes", key)
 
@@ -561,7 +568,7 @@ class _Parser:
                 key,
             )
 
-    def take(self, n: int, key: str, wait: bool = True) -> int:
+    def take(self, n: int, key: str) -> int:
         start = self.pos
         if n > self.stop - start:
             if self.stop < self.end:
@@ -570,8 +577,7 @@ class _Parser:
                 f"truncated: {n} bytes declared at offset {start}, only {self.end - start} remain",
                 key,
             )
-        if wait:
-            self.need(start + n, key)
+        self.need(start + n, key)
         self.pos = start + n
         return start
 
@@ -630,8 +636,7 @@ class _Parser:
             return True
         if b in (0xC4, 0xC5, 0xC6):
             n = self.uint(1 << (b - 0xC4), key)
-            # a payload's bytes are waited for piece by piece while it is checksummed
-            span = _Span(self.take(n, key, wait=not spans), n)
+            span = _Span(self.take(n, key), n)
             if spans:
                 return span
             if self.plain:
@@ -790,8 +795,8 @@ class _Parser:
         self.charge(_tensor_cost(len(shape)), key)
         self.spans.extend(spans)
         verified = False
-        if self.eager or self.wait is not None:
-            self.check_crc(spans, crc, key)  # now, piece by piece, while later bytes arrive
+        if self.eager:  # checked before `read_document` returns (`verify_tensors`)
+            self.unverified.append((spans, crc, key))
             verified = True
         t = TensorData(dtype, tuple(shape), self.loader(dtype, tuple(shape), spans, crc, key, verified),
                        private=self.owned)
@@ -805,15 +810,29 @@ class _Parser:
             t.array  # noqa: B018 - materialize the (verified) view
         return t
 
-    def check_crc(self, spans: list[_Span], crc: int, key: str) -> None:
+    def verify_tensors(self) -> None:
+        """Check the checksums of the tensors an eager parse has read, on up to
+        `_VERIFY_THREADS` threads when they hold more than `_PARALLEL_VERIFY_BYTES`
+        (crc32 releases the GIL); the first mismatch in document order raises."""
+        jobs, self.unverified = self.unverified, []
+        total = sum(s.length for spans, _, _ in jobs for s in spans)
+        if total < _PARALLEL_VERIFY_BYTES or len(jobs) < 2 or _VERIFY_THREADS < 2:
+            for job in jobs:
+                self.check_crc(*job)
+            return
+        sums = list(_verify_pool().map(self.crc_of, [spans for spans, _, _ in jobs]))
+        for (spans, crc, key), got in zip(jobs, sums):
+            self.check_crc(spans, crc, key, got)
+
+    def crc_of(self, spans: list[_Span]) -> int:
         got = 0
         for s in spans:
-            at, end = s.offset, s.offset + s.length
-            while at < end:
-                upto = min(end, at + _CRC_PIECE)
-                self.need(upto, key)
-                got = crc32(self.mv[at:upto], got)
-                at = upto
+            got = crc32(self.mv[s.offset : s.offset + s.length], got)
+        return got
+
+    def check_crc(self, spans: list[_Span], crc: int, key: str, got: int | None = None) -> None:
+        if got is None:
+            got = self.crc_of(spans)
         if got != crc:
             raise ChecksumError(
                 f"tensor checksum mismatch (stored {crc:#010x}, computed {got:#010x})",
@@ -865,19 +884,17 @@ class _Parser:
 
 def read_document(
     buf: Any, source: str, *, lazy: bool = False, limits: Limits | None = None,
-    wait: Waiter | None = None, owned: bool = False,
+    owned: bool = False,
 ) -> tuple[Header, Item]:
     """Parse a NamedMpk document held in `buf` (bytes, bytearray, numpy buffer or mmap).
 
     Checks the magic, version and header checksum before reading the item, then the
     structure checksum; with `lazy=False` also every tensor checksum. Tensors view `buf`.
-    With `wait`, `buf` is still being filled by another thread: the parser waits for the
-    bytes it needs and checksums each tensor while later ones are read.
     `owned=True`: `buf` is writable memory the caller allocated for this read alone and
     will not touch again, so `TensorData.take` may hand its tensors out without copying.
     Raises `CorruptRecordError` (or `ChecksumError`) and `UnsupportedVersionError`.
     """
-    p = _Parser(buf, source, limits or Limits(), wait=wait, eager=not lazy, owned=owned)
+    p = _Parser(buf, source, limits or Limits(), eager=not lazy, owned=owned)
     header = _read_header(p)
     k = p.value("", 1)
     if k != "item":
@@ -897,6 +914,7 @@ def read_document(
             source=source,
             key="item",
         )
+    p.verify_tensors()
     return header, item  # eager: the parser has read (and verified) every tensor
 
 
