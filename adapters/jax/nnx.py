@@ -9,6 +9,8 @@ ParamIds are the key paths of `nnx.state(model)` (`block.linear.kernel`). `nnx.P
 variables are trainable; every other variable (`BatchStat`, `RngCount`, the `RngKey`s
 of `nnx.Rngs` held by the module, user variables) is recorded and restored but receives
 no gradients. Key arrays are recorded as their key data and implementation (`_arrays`).
+A module from `nnx.eval_shape` (abstract: `jax.ShapeDtypeStruct` values) is a restore
+target: the restore writes concrete arrays into it, placed by each value's sharding.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ _HINT = ("keep only arrays in nnx Variables (a value that is not an array belong
 
 def _state(obj: Any) -> tuple[dict[str, Any], Any]:
     return flatten(nnx.state(obj))
+
+
+def _snapshot(obj: Any) -> Any:
+    """The leaves of `obj`'s state (immutable arrays) and its structure: a backup that
+    later writes into `obj` do not change."""
+    return jax.tree_util.tree_flatten(nnx.state(obj))
+
+
+def _revert(obj: Any, snapshot: Any) -> None:
+    leaves, treedef = snapshot
+    nnx.update(obj, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
 def _write(obj: Any, record: Any, kind: str, component: str) -> None:
@@ -72,6 +85,12 @@ class NnxModule(JaxModule):
         """The `nnx.Param` state: what `nnx.grad` differentiates and `to_tree` gives."""
         return nnx.state(self.module, nnx.Param)
 
+    def snapshot(self) -> Any:
+        return _snapshot(self.module)
+
+    def revert(self, snapshot: Any) -> None:
+        _revert(self.module, snapshot)
+
     def into_record(self) -> StateRecord:
         return _arrays.capture(self.kind, _state(self.module)[0], _HINT)
 
@@ -97,6 +116,12 @@ class NnxOptimizer:
     @property
     def native(self) -> Any:
         return self.optimizer
+
+    def snapshot(self) -> Any:
+        return _snapshot(self.optimizer)
+
+    def revert(self, snapshot: Any) -> None:
+        _revert(self.optimizer, snapshot)
 
     def into_record(self, module: Any) -> StateRecord:
         leaves, _ = _state(self.optimizer)
