@@ -11,6 +11,7 @@ restored values and placements, trains on and writes OUT. Used by tests/test_jax
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import traceback
@@ -243,8 +244,12 @@ def check_training_record_capture_reads_only_shards() -> None:
     assert len(live) >= 12
     with ValueSpy() as spy:
         rec = TrainingRecord.capture(model, optimizer, None, acc, State(1))
+        rec_async = asyncio.run(TrainingRecord.capture_async(model, optimizer, None, acc, State(1)))
     assert not any(r is v for r in spy.reads for v in live), "a sharded array's whole value was read"
+    assert not any(t is v for t in spy.transfers for v in live), "a sharded array was transferred whole"
     assert spy.device_gets == 0
+    for k, v in acc._pending.items():
+        assert np.array_equal(rec_async.grads.grads[k].array, np.asarray(v)), k
     for k, v in model.params.items():
         assert np.array_equal(rec.model.item[k].array, np.asarray(v)), k  # type: ignore[index]
         assert np.array_equal(rec.grads.grads[k].array, np.asarray(acc._pending[k])), k
@@ -309,12 +314,26 @@ def check_not_fully_addressable_is_refused() -> None:
     x = jax.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh_of("same"), P("data")))
     original = ArrayImpl.is_fully_addressable
     ArrayImpl.is_fully_addressable = property(lambda self: False)  # type: ignore[assignment,method-assign]
-    try:  # as an array spanning several JAX processes is: this process holds only its shards
-        trj.JaxModule({"w": x}).into_record()
-    except trainrec.RecorderError as e:
-        assert "OrbaxRecorder" in str(e) and "other JAX processes" in str(e), str(e)
-    else:
-        raise AssertionError("no RecorderError")
+    from flax import nnx
+
+    linear = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
+    linear.kernel.value = jax.device_put(np.ones((8, 2), np.float32), x.sharding)
+    acc: GradientsAccumulator[Any] = GradientsAccumulator()
+    module = trj.JaxModule({"w": x})
+    acc.accumulate(module, trainrec.GradientsParams({"w": x}))
+    # as arrays spanning several JAX processes are: this process holds only its shards
+    ArrayImpl.is_fully_addressable = property(lambda self: False)  # type: ignore[assignment,method-assign]
+    try:
+        captures = {"JaxModule": module.into_record, "NnxModule": trj.NnxModule(linear).into_record,
+                    "pending gradients": acc.try_to_record,
+                    "pending gradients (async)": lambda: asyncio.run(acc.to_record_async())}
+        for what, capture in captures.items():
+            try:
+                capture()
+            except trainrec.RecorderError as e:
+                assert "OrbaxRecorder" in str(e) and "other JAX processes" in str(e), f"{what}: {e}"
+            else:
+                raise AssertionError(f"{what}: no RecorderError")
     finally:
         ArrayImpl.is_fully_addressable = original  # type: ignore[method-assign]
 

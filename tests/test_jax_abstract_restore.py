@@ -243,6 +243,14 @@ def test_nnx_module_from_eval_shape_is_restored_in_place():
     assert all(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(abstract)))
     with pytest.raises(TypeError, match="is abstract"):
         trj.NnxModule(abstract).into_record()
+    def fail(self, record, module, device):
+        raise OSError("device lost")
+
+    with pytest.MonkeyPatch.context() as mp:  # a failed write puts the abstract state back
+        mp.setattr(trj.NnxOptimizer, "load_record", fail)
+        with pytest.raises(RecorderError, match="rolled back"):
+            rec.restore(abstract, abstract_opt, None, None)
+    assert all(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(abstract)))
     r = rec.restore(abstract, abstract_opt, None, None)
     assert r.model is abstract
     for leaf in jax.tree.leaves((nnx.state(abstract), nnx.state(abstract_opt))):

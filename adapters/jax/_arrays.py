@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import RecordMismatchError, StateRecord, TensorData
+from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
 from .bindings import _expected
@@ -62,6 +62,8 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
     for name, leaf in _view(leaves).items():
         try:
             item[name] = TensorData.from_array(host_copy(leaf), copy=False)
+        except RecorderError:
+            raise  # an array spanning other processes: host_copy says what to use
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
             raise TypeError(f"leaf {name!r} ({type(leaf).__name__}) cannot be recorded: {e}; {hint}") from e
     impls = _impls(leaves)

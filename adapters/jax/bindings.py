@@ -26,7 +26,15 @@ from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_misma
 
 from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
 from .neutral import TRANSFORMS_KEY
-from .placement import abstract_error, host_copy, is_abstract, is_array_like, place, sharding_of
+from .placement import (
+    abstract_error,
+    host_copy,
+    is_abstract,
+    is_array_like,
+    place,
+    sharding_of,
+    start_host_copy,
+)
 from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
@@ -109,8 +117,8 @@ class JaxBackend:
         return host_copy(tensor)  # a sharded array shard by shard, never gathered
 
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
-        if isinstance(tensor, jax.Array):
-            tensor.copy_to_host_async()
+        if isinstance(tensor, jax.Array) and not is_typed_key(tensor):
+            start_host_copy(tensor)  # each distinct shard, not the replicas
             while not tensor.is_ready():  # type: ignore[attr-defined]  # missing from jax.Array's stub
                 await asyncio.sleep(0.0005)
         return self.to_host(tensor)

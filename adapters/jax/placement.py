@@ -23,7 +23,7 @@ import numpy as np
 
 from trainrec import RecorderError
 
-__all__ = ["is_abstract", "is_array_like", "host_copy", "place", "abstract_error",
+__all__ = ["is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
            "key_data_like", "key_impl_name", "sharding_of"]
 
 
@@ -51,6 +51,21 @@ def sharding_of(leaf: Any) -> Any:
     return getattr(leaf, "sharding", None)
 
 
+def start_host_copy(x: jax.Array) -> list[Any]:
+    """Start the transfer to the host of each distinct shard of `x` (not its replicas);
+    returns those shards. Raises `RecorderError` for an array that spans devices of
+    other processes."""
+    if not x.is_fully_addressable:
+        raise RecorderError(
+            f"a jax.Array of shape {tuple(x.shape)} spans devices of other JAX processes "
+            f"({x.sharding}); this process holds only its own shards: save with "
+            "trainrec.adapters.jax.OrbaxRecorder, where each process writes its shards")
+    shards = [s for s in x.addressable_shards if s.replica_id == 0]
+    for s in shards:
+        s.data.copy_to_host_async()
+    return shards
+
+
 def host_copy(x: Any) -> np.ndarray[Any, Any]:
     """A new C-contiguous host array of `x`'s values. A `jax.Array` is copied shard by
     shard: each distinct shard once, from its own device, into its region (no gather of
@@ -58,16 +73,9 @@ def host_copy(x: Any) -> np.ndarray[Any, Any]:
     devices of other processes."""
     if not isinstance(x, jax.Array):
         return np.array(x, order="C", copy=True)
-    if not x.is_fully_addressable:
-        raise RecorderError(
-            f"a jax.Array of shape {tuple(x.shape)} spans devices of other JAX processes "
-            f"({x.sharding}); this process holds only its own shards: save with "
-            "trainrec.adapters.jax.OrbaxRecorder, where each process writes its shards")
-    shards = [s for s in x.addressable_shards if s.replica_id == 0]
+    shards = start_host_copy(x)
     if len(shards) == 1:  # one device, or replicated: that copy is the whole array
         return np.array(shards[0].data, order="C", copy=True)
-    for s in shards:  # start every transfer before waiting for the first
-        s.data.copy_to_host_async()
     out = np.empty(x.shape, dtype=x.dtype)
     covered = 0
     for s in shards:
