@@ -277,6 +277,23 @@ def check_restore_onto_live_and_other_meshes() -> None:
             assert tree["w"].sharding == tsh and np.array_equal(np.asarray(tree["w"]), values)
 
 
+def check_an_abstract_leaf_without_sharding_goes_to_the_device_given() -> None:
+    from flax import nnx
+
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    rec = trj.JaxModule({"w": jax.device_put(values, NamedSharding(mesh_of("same"), P()))}).into_record()
+    for device in (jax.devices()[3], "cpu:5"):
+        target = trj.JaxModule({"w": jax.ShapeDtypeStruct((3, 4), jnp.float32)})
+        target.load_record(rec, device)
+        want = device if isinstance(device, jax.Device) else jax.devices()[5]
+        assert target.params["w"].devices() == {want} and np.array_equal(np.asarray(target.params["w"]), values)
+    linear = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    abstract = nnx.eval_shape(lambda: nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    trj.NnxModule(abstract).load_record(trj.NnxModule(linear).into_record(), "cpu:6")
+    assert abstract.kernel[...].devices() == {jax.devices()[6]}
+    assert np.array_equal(np.asarray(abstract.kernel[...]), np.asarray(linear.kernel[...]))
+
+
 def check_pending_gradients_follow_parameter_shardings() -> None:
     model, optimizer, param_sh, mesh = build("same", 0)
     acc: GradientsAccumulator[Any] = GradientsAccumulator()
@@ -317,7 +334,7 @@ def check_not_fully_addressable_is_refused() -> None:
     from flax import nnx
 
     linear = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
-    linear.kernel.value = jax.device_put(np.ones((8, 2), np.float32), x.sharding)
+    linear.kernel.set_value(jax.device_put(np.ones((8, 2), np.float32), x.sharding))
     acc: GradientsAccumulator[Any] = GradientsAccumulator()
     module = trj.JaxModule({"w": x})
     acc.accumulate(module, trainrec.GradientsParams({"w": x}))

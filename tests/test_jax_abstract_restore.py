@@ -206,6 +206,16 @@ def test_a_failed_write_puts_abstract_targets_back(monkeypatch):
     assert model.params is tree and optimizer.opt_state is opt_state
 
 
+def test_a_device_that_is_not_there_is_refused_before_anything_changes():
+    run = Run.fresh().train(2)
+    rec = TrainingRecord.capture(run.model, run.optimizer, None, run.acc, run.state)
+    model, optimizer = abstract_targets()
+    tree = model.params
+    with pytest.raises(RecordMismatchError, match="cannot restore onto device 'cpu:9'"):
+        rec.restore(model, optimizer, None, "cpu:9")
+    assert model.params is tree
+
+
 def test_a_target_without_sharding_goes_to_the_device_given():
     rec = trj.JaxModule({"w": jnp.arange(6.0).reshape(2, 3)}).into_record()
     target = trj.JaxModule({"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)})

@@ -42,7 +42,7 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return results
 
 
-@pytest.mark.parametrize("name", [
+CHECKS = [
     # capture: each distinct shard (replica_id 0) transferred once, replicas never, the
     # whole array's value never asked for (no __array__/_value of it, no jax.device_get),
     # no host copy left cached on the live array
@@ -54,11 +54,20 @@ def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     "check_restore_onto_live_and_other_meshes",
     # TrainingRecord.restore and restore_tree place pending gradients on the target
     # parameters' shardings (another mesh)
+    # an abstract leaf without a sharding: on the device restore is given (JaxModule, nnx)
+    "check_an_abstract_leaf_without_sharding_goes_to_the_device_given",
     "check_pending_gradients_follow_parameter_shardings",
     "check_sharded_typed_keys_round_trip",
     # an array spanning other processes' devices: RecorderError naming OrbaxRecorder
     "check_not_fully_addressable_is_refused",
-])
+]
+
+
+def test_every_check_of_the_script_is_run_here(checks: dict[str, str]) -> None:
+    assert sorted(checks) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("name", CHECKS)
 def test_sharded_arrays(checks: dict[str, str], name: str) -> None:
     assert name in checks, f"{name} did not run"
     assert checks[name] == "ok", checks[name]

@@ -22,7 +22,7 @@ import numpy as np
 from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
-from .bindings import _expected
+from .bindings import _BACKEND, _expected
 from .placement import (
     abstract_error,
     host_copy,
@@ -31,6 +31,7 @@ from .placement import (
     key_data_like,
     key_impl_name,
     place,
+    sharding_of,
 )
 
 RNG_IMPL_KEY = "#rng_impl"
@@ -91,15 +92,19 @@ def check(record: Any, kind: str, leaves: dict[str, Any], component: str) -> dic
     return check_tensor_map(tensors, _expected(_view(leaves)), component)
 
 
-def rebuild(leaves: dict[str, Any], tensors: dict[str, TensorData]) -> dict[str, Any]:
+def rebuild(leaves: dict[str, Any], tensors: dict[str, TensorData], device: Any = None) -> dict[str, Any]:
     """New leaves holding `tensors`, each with its live leaf's dtype (key implementation)
-    and placement: its sharding, a live or abstract leaf's (`check` first)."""
+    and placement: its sharding, a live or abstract leaf's; `device` (None: the default
+    device) for an abstract leaf without one (`check` first)."""
     out: dict[str, Any] = {}
+    dev = None
     for name, leaf in leaves.items():
         like = key_data_like(leaf) if is_key(leaf) else leaf
         arr = np.asarray(tensors[name].array).astype(like.dtype)
         if is_array_like(leaf):
-            value: Any = place(arr, leaf, None)  # a key's sharding lays out its key data too
+            if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
+                dev = _BACKEND.device(device)
+            value: Any = place(arr, leaf, dev)  # a key's sharding lays out its key data too
             out[name] = jax.random.wrap_key_data(value, impl=key_impl_name(leaf)) if is_key(leaf) else value
         else:
             out[name] = np.array(arr)

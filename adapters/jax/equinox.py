@@ -80,7 +80,7 @@ class EqxModule(JaxModule):
     def load_record(self, record: Any, device: Any) -> None:
         leaves, treedef = flatten(self.model)
         arrays = {k: v for k, v in leaves.items() if _is_array(v)}
-        new = _arrays.rebuild(arrays, _arrays.check(record, self.kind, arrays, "model"))
+        new = _arrays.rebuild(arrays, _arrays.check(record, self.kind, arrays, "model"), device)
         self.model = jax.tree_util.tree_unflatten(treedef, [new.get(k, v) for k, v in leaves.items()])
 
 

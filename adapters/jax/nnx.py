@@ -48,9 +48,9 @@ def _revert(obj: Any, snapshot: Any) -> None:
     nnx.update(obj, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
-def _write(obj: Any, record: Any, kind: str, component: str) -> None:
+def _write(obj: Any, record: Any, kind: str, component: str, device: Any) -> None:
     leaves, treedef = _state(obj)
-    new = _arrays.rebuild(leaves, _arrays.check(record, kind, leaves, component))
+    new = _arrays.rebuild(leaves, _arrays.check(record, kind, leaves, component), device)
     nnx.update(obj, jax.tree_util.tree_unflatten(treedef, list(new.values())))
 
 
@@ -98,7 +98,7 @@ class NnxModule(JaxModule):
         _arrays.check(record, self.kind, _state(self.module)[0], "model")
 
     def load_record(self, record: Any, device: Any) -> None:
-        _write(self.module, record, self.kind, "model")
+        _write(self.module, record, self.kind, "model", device)
 
 
 class NnxOptimizer:
@@ -145,4 +145,4 @@ class NnxOptimizer:
         _arrays.check(self._without_transforms(record), self.kind, _state(self.optimizer)[0], "optimizer")
 
     def load_record(self, record: Any, module: Any, device: Any) -> None:
-        _write(self.optimizer, self._without_transforms(record), self.kind, "optimizer")
+        _write(self.optimizer, self._without_transforms(record), self.kind, "optimizer", device)
