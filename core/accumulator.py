@@ -202,11 +202,18 @@ class GradientsAccumulator(Generic[M]):
             raise RecorderError(f"cannot read pending gradients back: {e}") from e
         return GradientsParamsRecord({pid: _host(a) for (pid, _), a in zip(items, arrays)})
 
-    def load_record(self, record: GradientsParamsRecord, device: Any) -> None:
+    def load_record(
+        self, record: GradientsParamsRecord, device: Any, *,
+        placements: Mapping[ParamId, Any] | None = None,
+    ) -> None:
         """Replace pending gradients with checkpoint state on the given device.
 
         The model IDs and the caller's accumulation count must be restored from the
-        same checkpoint. A rejected record leaves the accumulator unchanged."""
+        same checkpoint. A rejected record leaves the accumulator unchanged.
+        `placements` (beyond the seed) gives a ParamId's gradient its own placement,
+        anything the backend's `device` accepts (a JAX sharding: its parameter's, as
+        `TrainingRecord.restore` passes from the module's `param_placements()`); the
+        others go to `device`."""
         if not isinstance(record, GradientsParamsRecord):
             raise RecordMismatchError(
                 f"expected a GradientsParamsRecord, got {type(record).__name__}"
@@ -227,11 +234,12 @@ class GradientsAccumulator(Generic[M]):
                     f"pending gradient has non-float dtype {t.dtype.value}", key=pid
                 )
             try:
-                staged[pid] = backend.from_host(t.array, dev)
+                where = dev if placements is None or pid not in placements else placements[pid]
+                staged[pid] = backend.from_host(t.array, where)
             except RecorderError:
                 raise
             except Exception as e:
-                raise RecorderError(f"cannot place gradient on {device!r}: {e}", key=pid) from e
+                raise RecorderError(f"cannot place gradient on {where!r}: {e}", key=pid) from e
         self._pending = staged
         self._shapes = {}
         self._backend = backend

@@ -227,7 +227,8 @@ class TrainingRecord(Generic[U]):
             s.check_record(self.scheduler)
         _check_grads(self.grads, m)
         accumulator: GradientsAccumulator[Any] = GradientsAccumulator(backend=m.backend)
-        accumulator.load_record(self.grads, device)
+        placements = getattr(m, "param_placements", None)  # optional: JAX shardings
+        accumulator.load_record(self.grads, device, placements=None if placements is None else placements())
         state = self._state_on(device)
         _write_all(m, o, s, self, device)
         # an immutable native model (an equinox module) cannot be written into: its bound
@@ -251,20 +252,31 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
     capture) and restored from that backup; an `Exception` then becomes a
     `RecorderError` saying "rolled back", any other `BaseException` (`KeyboardInterrupt`,
     `SystemExit`) is re-raised as it came. Only when the rollback fails too can they be
-    left partly written, and the error (or a note on the interrupt) says so."""
+    left partly written, and the error (or a note on the interrupt) says so.
+
+    A component with `snapshot()` and `revert(snapshot)` (JAX holders, whose state is
+    immutable arrays) is backed up by those instead: no host copy, and a target that
+    holds no values yet (abstract JAX arrays) can be put back as it was."""
     def load_model(r: Any) -> None:
         m.load_record(r, device)
 
     def load_optimizer(r: Any) -> None:
         o.load_record(r, m, device)
 
-    # (how to load a record into the component, its backup, the record to restore)
-    steps: list[tuple[Callable[[Any], None], Any, Any]] = [
-        (load_model, m.into_record(), record.model),
-        (load_optimizer, o.into_record(m), record.optimizer),
+    def backup(component: Any, capture: Callable[[], Any], load: Callable[[Any], None]) -> tuple[Any, Any]:
+        """(the backup, how to put it back)"""
+        snapshot, revert = getattr(component, "snapshot", None), getattr(component, "revert", None)
+        if callable(snapshot) and callable(revert):
+            return snapshot(), revert
+        return capture(), load
+
+    # (how to load a record into the component, its backup and how to put it back, the record)
+    steps: list[tuple[Callable[[Any], None], tuple[Any, Any], Any]] = [
+        (load_model, backup(m, m.into_record, load_model), record.model),
+        (load_optimizer, backup(o, lambda: o.into_record(m), load_optimizer), record.optimizer),
     ]
     if s is not None and record.scheduler is not None:
-        steps.append((s.load_record, s.into_record(), record.scheduler))
+        steps.append((s.load_record, backup(s, s.into_record, s.load_record), record.scheduler))
     done = 0
     try:
         for load, _, new in steps:
@@ -272,8 +284,8 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
             load(new)
     except BaseException as e:  # an interrupt (Ctrl-C, SystemExit) too: never leave a mix
         try:
-            for load, backup, _ in reversed(steps[:done]):
-                load(backup)
+            for _, (saved, put_back), _ in reversed(steps[:done]):
+                put_back(saved)
         except BaseException as rollback_error:
             message = (
                 f"restore failed while writing ({e!r}) and so did the rollback "

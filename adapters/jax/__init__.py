@@ -10,6 +10,10 @@ as they are (`trainrec.adapt` finds them): a flax `nnx.Module` / `nnx.Optimizer`
 (typed and raw) and flax nnx `Rngs`.
 `FlaxMsgpackFileRecorder` writes flax's msgpack convention (readable by
 `flax.serialization.msgpack_restore`) without needing flax.
+Restore targets may be abstract (`jax.ShapeDtypeStruct` leaves, from `jax.eval_shape`):
+`TrainingRecord.restore(JaxModule(abstract), ...)` and `restore_tree(rec.model, abstract)`
+give concrete arrays placed by the targets' shardings; sharded arrays are captured
+shard by shard (`placement.py`).
 
 Importing this package imports no JAX: each name is loaded on first use (so
 `trainrec.adapters.jax.neutral`, the conversion form, works without JAX installed).
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from .equinox import EqxModule
     from .nnx import NnxModule, NnxOptimizer
     from .recorder import FlaxMsgpackFileRecorder
+    from .restore import restore_tree
     from .rng import JaxRngRecord
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "JaxRngRecord",
     "accumulate_tree",
     "grads_from",
+    "restore_tree",
     "to_tree",
 ]
 
@@ -58,6 +64,7 @@ _HOME = {name: "bindings" for name in __all__}
 _HOME["FlaxMsgpackFileRecorder"] = "recorder"
 _HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
 _HOME["JaxRngRecord"] = "rng"
+_HOME["restore_tree"] = "restore"
 
 
 def __getattr__(name: str) -> Any:

@@ -5,7 +5,10 @@ a typed PRNG key array (`jax.random.key`) as its key data (`jax.random.key_data`
 with its implementation's name under `#rng_impl` (`{ParamId: "threefry2x32"}`), and
 restored with `jax.random.wrap_key_data` under that implementation. A restore checks
 every leaf first (names, shapes, dtype kinds, key implementations) and gives new leaves
-of the live dtypes, placed as the live leaves are.
+of the live dtypes, placed as the live leaves are. A live leaf may be abstract (a
+`jax.ShapeDtypeStruct`, as `nnx.eval_shape` / `eqx.filter_eval_shape` give): the new leaf
+is placed by its sharding (the default device when it has none); capturing one is a
+`TypeError`.
 """
 
 from __future__ import annotations
@@ -16,26 +19,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import RecordMismatchError, StateRecord, TensorData
+from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
-from .bindings import _expected
+from .bindings import _BACKEND, _expected
+from .placement import (
+    abstract_error,
+    host_copy,
+    is_abstract,
+    is_array_like,
+    key_data_like,
+    key_impl_name,
+    place,
+    sharding_of,
+)
 
 RNG_IMPL_KEY = "#rng_impl"
 
 
 def is_key(leaf: Any) -> bool:
-    """Whether `leaf` is a typed PRNG key array (`jax.random.key`, nnx `RngKey` values)."""
-    return isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    """Whether `leaf` is a typed PRNG key array (`jax.random.key`, nnx `RngKey` values),
+    or an abstract one."""
+    return is_array_like(leaf) and bool(jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
 
 
 def _impls(leaves: dict[str, Any]) -> dict[str, str]:
-    return {k: str(jax.random.key_impl(v)) for k, v in leaves.items() if is_key(v)}
+    return {k: key_impl_name(v) for k, v in leaves.items() if is_key(v)}
 
 
 def _view(leaves: dict[str, Any]) -> dict[str, Any]:
     """The leaves as plain arrays: a key array as its key data."""
-    return {k: jax.random.key_data(v) if is_key(v) else v for k, v in leaves.items()}
+    return {k: key_data_like(v) if is_key(v) else v for k, v in leaves.items()}
 
 
 def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
@@ -43,9 +57,14 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
     path and `hint` (how to leave it out) for a leaf no record can hold (a tracer, a
     complex array)."""
     item: dict[str, Item] = {}
+    for name, leaf in leaves.items():
+        if is_abstract(leaf):
+            raise abstract_error(name)
     for name, leaf in _view(leaves).items():
         try:
-            item[name] = TensorData.from_array(np.array(leaf, order="C", copy=True), copy=False)
+            item[name] = TensorData.from_array(host_copy(leaf), copy=False)
+        except RecorderError:
+            raise  # an array spanning other processes: host_copy says what to use
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
             raise TypeError(f"leaf {name!r} ({type(leaf).__name__}) cannot be recorded: {e}; {hint}") from e
     impls = _impls(leaves)
@@ -73,16 +92,20 @@ def check(record: Any, kind: str, leaves: dict[str, Any], component: str) -> dic
     return check_tensor_map(tensors, _expected(_view(leaves)), component)
 
 
-def rebuild(leaves: dict[str, Any], tensors: dict[str, TensorData]) -> dict[str, Any]:
+def rebuild(leaves: dict[str, Any], tensors: dict[str, TensorData], device: Any = None) -> dict[str, Any]:
     """New leaves holding `tensors`, each with its live leaf's dtype (key implementation)
-    and placement (`check` first)."""
+    and placement: its sharding, a live or abstract leaf's; `device` (None: the default
+    device) for an abstract leaf without one (`check` first)."""
     out: dict[str, Any] = {}
+    dev = None
     for name, leaf in leaves.items():
-        like = jax.random.key_data(leaf) if is_key(leaf) else leaf
+        like = key_data_like(leaf) if is_key(leaf) else leaf
         arr = np.asarray(tensors[name].array).astype(like.dtype)
-        if isinstance(like, jax.Array):
-            value: Any = jax.device_put(arr, like.sharding)
-            out[name] = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf)) if is_key(leaf) else value
+        if is_array_like(leaf):
+            if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
+                dev = _BACKEND.device(device)
+            value: Any = place(arr, leaf, dev)  # a key's sharding lays out its key data too
+            out[name] = jax.random.wrap_key_data(value, impl=key_impl_name(leaf)) if is_key(leaf) else value
         else:
             out[name] = np.array(arr)
     return out

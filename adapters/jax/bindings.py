@@ -26,6 +26,15 @@ from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_misma
 
 from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
 from .neutral import TRANSFORMS_KEY
+from .placement import (
+    abstract_error,
+    host_copy,
+    is_abstract,
+    is_array_like,
+    place,
+    sharding_of,
+    start_host_copy,
+)
 from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
@@ -67,10 +76,12 @@ class JaxBackend:
 
     name = "jax"
 
-    def device(self, spec: Any) -> jax.Device:
+    def device(self, spec: Any) -> Any:
+        """A `jax.Device`; a `jax.sharding.Sharding` passes through as it is (where a
+        parameter's pending gradient goes: its parameter's sharding)."""
         if spec is None:
             return jax.devices()[0]
-        if isinstance(spec, jax.Device):
+        if isinstance(spec, (jax.Device, jax.sharding.Sharding)):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"{spec!r} is not a JAX device")
@@ -103,16 +114,17 @@ class JaxBackend:
             raise TypeError(f"a typed JAX key ({tensor.dtype}) is not a tensor: record it with "
                             "trainrec.adapters.jax.JaxRngRecord.capture(key) (a state field "
                             "`rng: JaxRngRecord | None`)")
-        return np.array(tensor, order="C", copy=True)
+        return host_copy(tensor)  # a sharded array shard by shard, never gathered
 
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
-        if isinstance(tensor, jax.Array):
-            tensor.copy_to_host_async()
+        if isinstance(tensor, jax.Array) and not is_typed_key(tensor):
+            start_host_copy(tensor)  # each distinct shard, not the replicas
             while not tensor.is_ready():  # type: ignore[attr-defined]  # missing from jax.Array's stub
                 await asyncio.sleep(0.0005)
         return self.to_host(tensor)
 
     def from_host(self, array: np.ndarray[Any, Any], device: Any) -> jax.Array:
+        """A new array of `array` on `device` (a device, or a sharding to lay it out by)."""
         out: jax.Array = jax.device_put(np.array(array, copy=True), self.device(device))
         return out
 
@@ -186,7 +198,9 @@ def accumulate_tree(pending: Any, grads: Any, dtype: Any = None) -> Any:
     return jax.tree.map(lambda p, g: _sum(p, g, name), pending, grads)
 
 
-def _host(leaf: Any) -> Item:
+def _host(leaf: Any, name: str = "") -> Item:
+    if is_abstract(leaf):
+        raise abstract_error(name)
     if is_typed_key(leaf):  # nnx RngKey variables: {impl, data}, restored exactly
         return key_item(leaf)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
@@ -196,29 +210,42 @@ def _host(leaf: Any) -> Item:
     raise TypeError(f"pytree leaf of type {type(leaf).__name__} cannot be recorded")
 
 
+def _dtype(leaf: Any) -> Any:
+    return leaf.dtype if is_array_like(leaf) else np.asarray(leaf).dtype
+
+
 def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]]:
-    return {k: (tuple(np.shape(v)), DType.from_numpy(np.asarray(v).dtype if not isinstance(v, jax.Array) else v.dtype))
+    return {k: (tuple(np.shape(v)), DType.from_numpy(_dtype(v)))
             for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None
             and not is_typed_key(v)}
 
 
 def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
     """A new tree of the live structure whose leaves are the recorded values, each with
-    its live leaf's dtype and device (or `device`, when given and the leaf is on host)."""
+    its live leaf's dtype and placement: a live array's sharding, an abstract leaf's
+    (`jax.ShapeDtypeStruct`) sharding, else `device` for an abstract leaf without one;
+    a host (numpy) leaf stays on the host."""
     new: list[Any] = []
+    dev = None
     for name, leaf in live.items():
         value = recorded[name]
         if is_typed_key(leaf):
             new.append(key_from_item(value, leaf, name))
         elif isinstance(value, TensorData):
-            arr = np.asarray(value.array).astype(np.asarray(leaf).dtype if not isinstance(leaf, jax.Array) else leaf.dtype)
-            if isinstance(leaf, jax.Array):
-                new.append(jax.device_put(arr, leaf.sharding))
+            arr = np.asarray(value.array).astype(_dtype(leaf))
+            if is_array_like(leaf):
+                if dev is None and sharding_of(leaf) is None:
+                    dev = _BACKEND.device(device)
+                new.append(place(arr, leaf, dev))
             else:
                 new.append(np.array(arr))
         else:
             new.append(value)
     return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _placements(leaves: list[Any], ids: Iterable[str]) -> dict[str, Any]:
+    return {pid: s for pid, s in ((pid, sharding_of(v)) for pid, v in zip(ids, leaves)) if s is not None}
 
 
 def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, Item]:
@@ -293,12 +320,28 @@ class JaxModule:
     def param_ids(self) -> list[str]:
         return list(self.param_shapes())
 
+    def param_placements(self) -> dict[str, Any]:
+        """Each trainable parameter's sharding (a live array's, or an abstract target's
+        when it gives one): where `TrainingRecord.restore` places its pending gradient."""
+        leaves, ids = _param_ids(self.trainable(), self._trainable_prefix())
+        return _placements(leaves, ids)
+
+    def snapshot(self) -> Any:
+        """The live tree (immutable arrays: holding it is a backup)."""
+        return self.params
+
+    def revert(self, snapshot: Any) -> None:
+        """Put back what `snapshot` returned."""
+        self.params = snapshot
+
     def into_record(self) -> StateRecord:
         leaves, _ = flatten(self.params)
         item: dict[str, Item] = {}
         for k, v in leaves.items():
+            if is_abstract(v):
+                raise abstract_error(k)
             try:
-                item[k] = _host(v)
+                item[k] = _host(v, k)
             except TypeError as e:
                 code = "a function in a pytree is code, not state: " if callable(v) else ""
                 raise TypeError(
@@ -388,7 +431,7 @@ class JaxOptimizer:
         leaves, _ = flatten(self.opt_state)
         if TRANSFORMS_KEY in leaves:
             raise ValueError(f"an optax state leaf is named {TRANSFORMS_KEY!r}, which the record reserves")
-        item: dict[str, Item] = {k: _host(v) for k, v in leaves.items()}
+        item: dict[str, Item] = {k: _host(v, k) for k, v in leaves.items()}
         reserved = [k for k in (IDENTITY_KEY, STATE_TYPES_KEY) if k in leaves]
         if reserved:
             raise ValueError(f"an optax state leaf is named {reserved[0]!r}, which the record reserves")
@@ -419,6 +462,14 @@ class JaxOptimizer:
     def check_record(self, record: Any, module: Any) -> None:
         leaves, _ = flatten(self.opt_state)
         _check_tree(self._leaves_of(record), leaves, "optimizer")
+
+    def snapshot(self) -> Any:
+        """The live state (immutable arrays: holding it is a backup)."""
+        return self.opt_state
+
+    def revert(self, snapshot: Any) -> None:
+        """Put back what `snapshot` returned."""
+        self.opt_state = snapshot
 
     def load_record(self, record: Any, module: Any, device: Any) -> None:
         leaves, treedef = flatten(self.opt_state)

@@ -9,7 +9,9 @@ is code or configuration: it is not recorded, and a restore keeps the live modul
 A restore builds a NEW module (`jax.tree_util.tree_unflatten` of the live structure):
 `EqxModule.model` (also `.native`) holds it, and `TrainingRecord.restore(model, ...)`
 returns it as `RestoredTraining.model` whether `model` was the `eqx.Module` itself or an
-`EqxModule`; continue training with that object.
+`EqxModule`; continue training with that object. The live module may be abstract
+(`eqx.filter_eval_shape(Model, ...)`: `jax.ShapeDtypeStruct` leaves): the restored one
+holds concrete arrays, placed by each leaf's sharding.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from trainrec import StateRecord
 
 from . import _arrays
 from .bindings import JaxModule, flatten
+from .placement import is_abstract
 
 __all__ = ["EqxModule"]
 
@@ -61,11 +65,11 @@ class EqxModule(JaxModule):
     def trainable(self) -> Any:
         """`eqx.filter(model, eqx.is_inexact_array)`: the tree `eqx.filter_grad` gives and
         optax updates (`eqx.apply_updates` adds it to the model)."""
-        return eqx.filter(self.model, eqx.is_inexact_array)
+        return eqx.filter(self.model, _is_inexact)
 
     def _arrays(self) -> dict[str, Any]:
         leaves, _ = flatten(self.model)
-        return {k: v for k, v in leaves.items() if eqx.is_array(v)}
+        return {k: v for k, v in leaves.items() if _is_array(v)}
 
     def into_record(self) -> StateRecord:
         return _arrays.capture(self.kind, self._arrays(), _HINT)
@@ -75,6 +79,16 @@ class EqxModule(JaxModule):
 
     def load_record(self, record: Any, device: Any) -> None:
         leaves, treedef = flatten(self.model)
-        arrays = {k: v for k, v in leaves.items() if eqx.is_array(v)}
-        new = _arrays.rebuild(arrays, _arrays.check(record, self.kind, arrays, "model"))
+        arrays = {k: v for k, v in leaves.items() if _is_array(v)}
+        new = _arrays.rebuild(arrays, _arrays.check(record, self.kind, arrays, "model"), device)
         self.model = jax.tree_util.tree_unflatten(treedef, [new.get(k, v) for k, v in leaves.items()])
+
+
+def _is_array(leaf: Any) -> bool:
+    """An array leaf, or an abstract one (a restore target)."""
+    return eqx.is_array(leaf) or is_abstract(leaf)
+
+
+def _is_inexact(leaf: Any) -> bool:
+    """A trainable leaf: an inexact array, or an abstract one."""
+    return eqx.is_inexact_array(leaf) or is_abstract(leaf) and bool(jnp.issubdtype(leaf.dtype, jnp.inexact))

@@ -9,6 +9,8 @@ ParamIds are the key paths of `nnx.state(model)` (`block.linear.kernel`). `nnx.P
 variables are trainable; every other variable (`BatchStat`, `RngCount`, the `RngKey`s
 of `nnx.Rngs` held by the module, user variables) is recorded and restored but receives
 no gradients. Key arrays are recorded as their key data and implementation (`_arrays`).
+A module from `nnx.eval_shape` (abstract: `jax.ShapeDtypeStruct` values) is a restore
+target: the restore writes concrete arrays into it, placed by each value's sharding.
 """
 
 from __future__ import annotations
@@ -35,9 +37,20 @@ def _state(obj: Any) -> tuple[dict[str, Any], Any]:
     return flatten(nnx.state(obj))
 
 
-def _write(obj: Any, record: Any, kind: str, component: str) -> None:
+def _snapshot(obj: Any) -> Any:
+    """The leaves of `obj`'s state (immutable arrays) and its structure: a backup that
+    later writes into `obj` do not change."""
+    return jax.tree_util.tree_flatten(nnx.state(obj))
+
+
+def _revert(obj: Any, snapshot: Any) -> None:
+    leaves, treedef = snapshot
+    nnx.update(obj, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def _write(obj: Any, record: Any, kind: str, component: str, device: Any) -> None:
     leaves, treedef = _state(obj)
-    new = _arrays.rebuild(leaves, _arrays.check(record, kind, leaves, component))
+    new = _arrays.rebuild(leaves, _arrays.check(record, kind, leaves, component), device)
     nnx.update(obj, jax.tree_util.tree_unflatten(treedef, list(new.values())))
 
 
@@ -72,6 +85,12 @@ class NnxModule(JaxModule):
         """The `nnx.Param` state: what `nnx.grad` differentiates and `to_tree` gives."""
         return nnx.state(self.module, nnx.Param)
 
+    def snapshot(self) -> Any:
+        return _snapshot(self.module)
+
+    def revert(self, snapshot: Any) -> None:
+        _revert(self.module, snapshot)
+
     def into_record(self) -> StateRecord:
         return _arrays.capture(self.kind, _state(self.module)[0], _HINT)
 
@@ -79,7 +98,7 @@ class NnxModule(JaxModule):
         _arrays.check(record, self.kind, _state(self.module)[0], "model")
 
     def load_record(self, record: Any, device: Any) -> None:
-        _write(self.module, record, self.kind, "model")
+        _write(self.module, record, self.kind, "model", device)
 
 
 class NnxOptimizer:
@@ -97,6 +116,12 @@ class NnxOptimizer:
     @property
     def native(self) -> Any:
         return self.optimizer
+
+    def snapshot(self) -> Any:
+        return _snapshot(self.optimizer)
+
+    def revert(self, snapshot: Any) -> None:
+        _revert(self.optimizer, snapshot)
 
     def into_record(self, module: Any) -> StateRecord:
         leaves, _ = _state(self.optimizer)
@@ -120,4 +145,4 @@ class NnxOptimizer:
         _arrays.check(self._without_transforms(record), self.kind, _state(self.optimizer)[0], "optimizer")
 
     def load_record(self, record: Any, module: Any, device: Any) -> None:
-        _write(self.optimizer, self._without_transforms(record), self.kind, "optimizer")
+        _write(self.optimizer, self._without_transforms(record), self.kind, "optimizer", device)

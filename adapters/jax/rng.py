@@ -20,13 +20,16 @@ import numpy as np
 from trainrec import CorruptRecordError, RecordMismatchError, RngRecord, TensorData
 from trainrec.adapter_kit import Item, PrecisionSettings
 
+from .placement import host_copy, is_abstract, key_data_like, key_impl_name, place
+
 __all__ = ["JaxRngRecord", "is_typed_key", "key_item", "key_from_item", "key_problems"]
 
 
 def is_typed_key(value: Any) -> bool:
     """Whether `value` is a typed JAX key array (`jax.random.key`), whose dtype numpy
-    cannot hold."""
-    return isinstance(value, jax.Array) and bool(jnp.issubdtype(value.dtype, jax.dtypes.prng_key))
+    cannot hold, or an abstract one (a `jax.ShapeDtypeStruct` of a key dtype)."""
+    return (isinstance(value, (jax.Array, jax.ShapeDtypeStruct))
+            and bool(jnp.issubdtype(value.dtype, jax.dtypes.prng_key)))
 
 
 def _is_raw_key(value: Any) -> bool:
@@ -35,17 +38,19 @@ def _is_raw_key(value: Any) -> bool:
 
 def key_item(key: Any, where: str = "key") -> Item:
     """The item of a key array: a typed key (single or an array of keys) or a raw uint32
-    key. `TypeError` for anything else, naming `where`."""
+    key. `TypeError` for anything else (an abstract key too), naming `where`."""
+    if is_abstract(key):
+        raise TypeError(f"{where} is an abstract key (a jax.ShapeDtypeStruct): it holds no key to record")
     if is_typed_key(key):
         impl = str(jax.random.key_impl(key))
-        data = np.array(jax.random.key_data(key), order="C", copy=True)
+        data = host_copy(jax.random.key_data(key))
         try:  # a key implementation registered in this process only would not load back
             jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{where}: a key of implementation {impl!r} cannot be rebuilt from its name ({e})") from None
         return {"impl": impl, "data": TensorData.from_array(data, copy=False)}
     if _is_raw_key(key) or isinstance(key, np.ndarray) and key.dtype == np.uint32:
-        return {"impl": None, "data": TensorData.from_array(np.array(key, order="C", copy=True), copy=False)}
+        return {"impl": None, "data": TensorData.from_array(host_copy(key), copy=False)}
     what = f"a {key.dtype} array" if hasattr(key, "dtype") else f"a {type(key).__name__}"
     raise TypeError(f"{where} is {what}, not a JAX key: a typed key (jax.random.key) or a raw "
                     "uint32 key (jax.random.PRNGKey)")
@@ -68,7 +73,7 @@ def _describe(impl: str | None, shape: tuple[int, ...]) -> str:
 
 def _live(key: Any) -> tuple[str | None, tuple[int, ...]]:
     if is_typed_key(key):
-        return str(jax.random.key_impl(key)), tuple(jax.random.key_data(key).shape)
+        return key_impl_name(key), tuple(key_data_like(key).shape)
     return None, tuple(np.shape(key))
 
 
@@ -87,14 +92,15 @@ def key_problems(item: Item, live: Any, where: str) -> list[str]:
 
 def key_from_item(item: Item, like: Any = None, where: str = "key") -> jax.Array:
     """The key array `item` records, exactly (same implementation, bits and dtype), placed
-    like the live key `like` (its sharding) when given, else on JAX's default device."""
+    like the live key `like` (its sharding; an abstract key's, when it has one) when
+    given, else on JAX's default device."""
     impl, data = _checked_item(item, where)
     if like is not None:
         problems = key_problems(item, like, where)
         if problems:
             raise RecordMismatchError("; ".join(problems), key=where)
     arr = np.array(data.read(), copy=True)
-    raw: jax.Array = jax.device_put(arr, like.sharding) if isinstance(like, jax.Array) else jnp.asarray(arr)
+    raw = place(arr, like, None)  # a key's sharding places its key data (one more, unsharded axis)
     if impl is None:
         return raw
     try:
@@ -125,7 +131,7 @@ def _rngs_leaves(rngs: Any) -> tuple[dict[str, Any], Any, Any]:
 def _rngs_item(rngs: Any, where: str) -> Item:
     leaves, _, _ = _rngs_leaves(rngs)
     return {name: key_item(v, f"{where}.{name}") if is_typed_key(v)
-            else TensorData.from_array(np.array(v, copy=True), copy=False) for name, v in leaves.items()}
+            else TensorData.from_array(host_copy(v), copy=False) for name, v in leaves.items()}
 
 
 def _rngs_new_state(item: Item, rngs: Any, where: str) -> Any:
@@ -146,7 +152,7 @@ def _rngs_new_state(item: Item, rngs: Any, where: str) -> Any:
     if problems:
         raise RecordMismatchError("; ".join(problems), key=where)
     new = [key_from_item(item[n], live, f"{where}.{n}") if is_typed_key(live)
-           else jax.device_put(np.array(item[n].read(), copy=True), live.sharding)  # type: ignore[union-attr]
+           else place(np.array(item[n].read(), copy=True), live, None)  # type: ignore[union-attr]
            for n, live in leaves.items()]
     return jax.tree_util.tree_unflatten(treedef, new)
 

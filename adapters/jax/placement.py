@@ -1,0 +1,112 @@
+"""Where JAX arrays live: host copies of sharded arrays, abstract targets, placement.
+
+A capture copies a `jax.Array` to the host shard by shard (`host_copy`): each distinct
+shard (`replica_id == 0` of `addressable_shards`) is copied from its own device once,
+into its region of one host array, so no device ever holds the whole array and no
+program runs on the devices. An array this process cannot address whole (it spans
+other JAX processes) is refused with a `RecorderError` naming `OrbaxRecorder`, which
+writes each process's shards.
+
+A restore places each value as its target says (`place`): a live `jax.Array` by its
+sharding, an abstract target (`jax.ShapeDtypeStruct`, from `jax.eval_shape`) by its
+`.sharding`, or on `device` when it has none. Abstract leaves hold no values: capturing
+one is a `TypeError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainrec import RecorderError
+
+__all__ = ["is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
+           "key_data_like", "key_impl_name", "sharding_of"]
+
+
+def is_abstract(leaf: Any) -> bool:
+    """Whether `leaf` is an abstract array (`jax.ShapeDtypeStruct`): shape, dtype and
+    perhaps a sharding, but no values."""
+    return isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def is_array_like(leaf: Any) -> bool:
+    """A `jax.Array` or an abstract one."""
+    return isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def abstract_error(name: str) -> TypeError:
+    """The error for capturing an abstract leaf."""
+    return TypeError(f"leaf {name!r} is abstract (a jax.ShapeDtypeStruct): it holds no values to "
+                     "record; restore a record into it first (TrainingRecord.restore or "
+                     "trainrec.adapters.jax.restore_tree), which gives concrete arrays")
+
+
+def sharding_of(leaf: Any) -> Any:
+    """The sharding a value for `leaf` goes to: a live array's, an abstract target's
+    (None when it gives none)."""
+    return getattr(leaf, "sharding", None)
+
+
+def start_host_copy(x: jax.Array) -> list[Any]:
+    """Start the transfer to the host of each distinct shard of `x` (not its replicas);
+    returns those shards. Raises `RecorderError` for an array that spans devices of
+    other processes."""
+    if not x.is_fully_addressable:
+        raise RecorderError(
+            f"a jax.Array of shape {tuple(x.shape)} spans devices of other JAX processes "
+            f"({x.sharding}); this process holds only its own shards: save with "
+            "trainrec.adapters.jax.OrbaxRecorder, where each process writes its shards")
+    shards = [s for s in x.addressable_shards if s.replica_id == 0]
+    for s in shards:
+        s.data.copy_to_host_async()
+    return shards
+
+
+def host_copy(x: Any) -> np.ndarray[Any, Any]:
+    """A new C-contiguous host array of `x`'s values. A `jax.Array` is copied shard by
+    shard: each distinct shard once, from its own device, into its region (no gather of
+    the whole array onto one device). Raises `RecorderError` for an array that spans
+    devices of other processes."""
+    if not isinstance(x, jax.Array):
+        return np.array(x, order="C", copy=True)
+    shards = start_host_copy(x)
+    if len(shards) == 1:  # one device, or replicated: that copy is the whole array
+        return np.array(shards[0].data, order="C", copy=True)
+    out = np.empty(x.shape, dtype=x.dtype)
+    covered = 0
+    for s in shards:
+        data = np.asarray(s.data)
+        out[s.index] = data
+        covered += data.size
+    if covered != out.size:  # the distinct shards tile the array; anything else is a bug
+        raise RecorderError(f"the shards of a jax.Array of shape {tuple(x.shape)} cover "
+                            f"{covered} of its {out.size} elements ({x.sharding})")
+    return out
+
+
+def place(value: np.ndarray[Any, Any], like: Any, device: Any) -> jax.Array:
+    """`value` as a `jax.Array` placed as `like` says (a live array's or an abstract
+    target's sharding), else on `device` (a `jax.Device`, None: the default device)."""
+    sharding = sharding_of(like)
+    out: jax.Array = jax.device_put(value, sharding if sharding is not None else device)
+    return out
+
+
+def key_data_like(leaf: Any) -> Any:
+    """The key data of a typed key array, or its shape and dtype for an abstract key."""
+    if is_abstract(leaf):
+        return jax.eval_shape(jax.random.key_data, leaf)
+    return jax.random.key_data(leaf)
+
+
+def key_impl_name(leaf: Any) -> str:
+    """The implementation name of a typed key array or of an abstract one
+    (`threefry2x32`), as `jax.random.key_impl` gives it."""
+    if is_abstract(leaf):
+        one_key = key_data_like(leaf).shape[len(leaf.shape):]  # the data of one key
+        leaf = jax.random.wrap_key_data(jnp.zeros(one_key, jnp.uint32), dtype=leaf.dtype)
+    return str(jax.random.key_impl(leaf))
