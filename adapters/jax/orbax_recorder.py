@@ -53,6 +53,7 @@ import numpy as np
 
 from trainrec import CorruptRecordError, FileMissingError, RecorderError, TensorData
 from trainrec.adapter_kit import (
+    TENSOR_KEY,
     DType,
     Header,
     Item,
@@ -60,15 +61,16 @@ from trainrec.adapter_kit import (
     RecorderBase,
     TensorTables,
     check_item,
+    crc32,
     header_fields,
     iter_tensors,
     map_leaves,
+    parse_header,
     path_arg,
+    restore_dtypes,
     store_tensor,
+    verify_checksums,
 )
-from trainrec.checksum import crc32
-from trainrec.envelope import parse_header, restore_dtypes, verify_checksums
-from trainrec.items import TENSOR_KEY
 
 __all__ = ["OrbaxRecorder", "FORMAT", "VERSION", "read_orbax", "MAX_JSON_BYTES"]
 
@@ -168,7 +170,7 @@ class OrbaxRecorder(RecorderBase):
                 raise FileMissingError(
                     f"cannot save: the folder {str(path.parent)!r} does not exist (create it "
                     "first)", source=source) from e
-            raise RecorderError(f"Orbax could not save the checkpoint: {type(e).__name__}: {e}",
+            raise RecorderError(f"Orbax could not save the checkpoint: {_said(e)}",
                                 source=source) from e
         return path
 
@@ -403,7 +405,7 @@ def _read_arrays(path: Path, table: list[_Row], source: str) -> dict[str, np.nda
         tree = getattr(meta, "tree", meta)
         found = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in dict(tree).items()}
     except Exception as e:  # Orbax's errors for damaged metadata
-        raise CorruptRecordError(f"Orbax cannot read the array metadata: {type(e).__name__}: {e}",
+        raise CorruptRecordError(f"Orbax cannot read the array metadata: {_said(e)}",
                                  source=source, key=ARRAYS_ITEM) from e
     problems = []
     for name in sorted(expected.keys() | found.keys()):
@@ -424,9 +426,17 @@ def _read_arrays(path: Path, table: list[_Row], source: str) -> dict[str, np.nda
                 **{ARRAYS_ITEM: ocp.args.PyTreeRestore(restore_args=restore)}))
         restored = dict(got_items[ARRAYS_ITEM])
     except Exception as e:  # tensorstore's errors for missing or damaged chunks
-        raise CorruptRecordError(f"Orbax cannot read the arrays: {type(e).__name__}: {e}",
+        raise CorruptRecordError(f"Orbax cannot read the arrays: {_said(e)}",
                                  source=source, key=ARRAYS_ITEM) from e
     return {k: np.asarray(v) for k, v in restored.items()}
+
+
+def _said(e: BaseException) -> str:
+    """An Orbax or tensorstore error in a line: without the tensorstore spec it appends
+    (a page of JSON), at most 600 characters."""
+    text = str(e).split(" [tensorstore_spec=")[0]
+    text = text if len(text) <= 600 else text[:600] + "..."
+    return f"{type(e).__name__}: {text}"
 
 
 def _decode(node: Any, tensors: list[TensorData], source: str) -> Item:
