@@ -1,4 +1,4 @@
-"""`OrbaxRecorder`: a `TrainingRecord` as one Orbax checkpoint (spec/ADAPTERS.md §9).
+"""`OrbaxRecorder`: a `TrainingRecord` as one Orbax checkpoint (spec/FORMAT.md §10).
 
 Round trips of every item kind and dtype; precision settings and the lossy check; a save
 that raises or is killed (SIGKILL, in a subprocess) leaves the checkpoint that was there;
@@ -151,12 +151,13 @@ def test_a_lossy_save_raises_and_leaves_the_existing_checkpoint(tmp_path):
         OrbaxRecorder().save_item(wrapped, path, allow_lossy=True)
 
 
-def test_a_save_over_a_checkpoint_replaces_it_and_leaves_nothing_else(tmp_path):
-    path = tmp_path / "c.orbax"
-    for value in (1.0, 2.0, 3.0):
-        OrbaxRecorder(NATIVE).save_item({"w": TensorData.from_array(np.array([value]))}, path)
-        assert OrbaxRecorder().read(path)[1]["w"].array[0] == value
-    assert sorted(os.listdir(tmp_path)) == ["c.orbax"]
+def test_a_save_over_a_checkpoint_replaces_it_and_leaves_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for path in (tmp_path / "c.orbax", Path("r.orbax")):  # a relative path too
+        for value in (1.0, 2.0, 3.0):
+            assert OrbaxRecorder(NATIVE).save_item({"w": TensorData.from_array(np.array([value]))}, path) == path
+            assert OrbaxRecorder().read(path)[1]["w"].array[0] == value
+    assert sorted(os.listdir(tmp_path)) == ["c.orbax", "r.orbax"]
 
 
 def test_a_save_that_fails_inside_orbax_or_at_the_exchange_keeps_the_old_checkpoint(tmp_path, monkeypatch):

@@ -151,7 +151,8 @@ class OrbaxRecorder(RecorderBase):
         if arrays:
             items[ARRAYS_ITEM] = ocp.args.PyTreeSave(arrays)
         replacing = path.exists()
-        target = path.with_name(path.name + _STAGING) if replacing else path
+        where = Path(os.path.abspath(path))  # Orbax takes absolute paths only
+        target = where.with_name(where.name + _STAGING) if replacing else where
         primary = _process_index() == 0
         try:
             if primary and target.exists():  # left by a save that was killed
@@ -159,10 +160,19 @@ class OrbaxRecorder(RecorderBase):
             _sync("trainrec_orbax_prepare")
             with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
                 ckptr.save(target, args=ocp.args.Composite(**items))
+            failed: RecorderError | None = None
             if replacing and primary:
-                _exchange(target, path)
-                shutil.rmtree(target)  # the previous checkpoint
+                try:
+                    _exchange(target, where)
+                    shutil.rmtree(target)  # the previous checkpoint
+                except RecorderError as e:
+                    failed = e  # raised after the barrier: the other processes must not wait on us
             _sync("trainrec_orbax_commit")
+            if failed is not None:
+                raise failed
+            if _committed_crc(path) != doc["crc"]:  # another process's part of the save failed
+                raise RecorderError("process 0 did not put this checkpoint in place (see its "
+                                    "error); the path holds the previous one", source=source)
         except RecorderError:
             raise
         except Exception as e:  # Orbax's, tensorstore's and the file system's errors
@@ -209,6 +219,7 @@ def read_orbax(path: Path, mmap: bool = False) -> tuple[Header, Item]:
     reader). Raises `FileMissingError` for a missing path, `CorruptRecordError` for a
     file, a directory that is not a whole trainrec Orbax checkpoint, or any damage."""
     source = str(path)
+    path = Path(os.path.abspath(path))  # Orbax takes absolute paths only
     doc = _read_doc(path, source)
     header = parse_header(doc, FORMAT, VERSION[0], source)
     table = _table(doc, source)
@@ -303,6 +314,15 @@ def _exchange(new: Path, old: Path) -> None:
             os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _committed_crc(path: Path) -> Any:
+    """The `crc` of the JSON item at `path` (None when there is none that parses)."""
+    try:
+        doc = json.loads((path / MARKER).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return doc.get("crc") if isinstance(doc, dict) else None
 
 
 def _process_index() -> int:
