@@ -192,7 +192,7 @@ def test_a_save_that_fails_inside_orbax_or_at_the_exchange_keeps_the_old_checkpo
     assert sorted(os.listdir(tmp_path)) == ["c.orbax"]
 
 
-def test_a_save_never_replaces_a_file_a_foreign_directory_or_into_a_missing_folder(tmp_path):
+def test_a_save_never_replaces_a_file_a_foreign_directory_or_into_a_missing_folder(tmp_path, monkeypatch):
     item = {"w": TensorData.from_array(np.array([1.0], np.float32))}
     (tmp_path / "file").write_bytes(b"keep me")
     (tmp_path / "data").mkdir()
@@ -207,6 +207,22 @@ def test_a_save_never_replaces_a_file_a_foreign_directory_or_into_a_missing_fold
     assert (tmp_path / "data" / "x.txt").read_text() == "keep me"
     with pytest.raises(TypeError):
         OrbaxRecorder().save_item(item, 3)
+    from trainrec.adapters.jax import orbax_recorder
+
+    big = {"losses": [0.5] * 1000}
+    OrbaxRecorder().save_item(big, tmp_path / "big.orbax")
+    monkeypatch.setattr(orbax_recorder, "MAX_JSON_BYTES", 1000)
+    with pytest.raises(CorruptRecordError, match="more than 1000"):
+        OrbaxRecorder().read(tmp_path / "big.orbax")
+    with pytest.raises(RecorderError, match="more than the 1000 a load accepts"):
+        OrbaxRecorder().save_item(big, tmp_path / "big2.orbax")  # what a load refuses is never written
+    assert not (tmp_path / "big2.orbax").exists()
+        OrbaxRecorder().save_item(big, tmp_path / "big.orbax")
+        orbax_recorder.MAX_JSON_BYTES = 1000
+        with pytest.raises(CorruptRecordError, match="more than 1000"):
+            OrbaxRecorder().read(tmp_path / "big.orbax")
+    finally:
+        orbax_recorder.MAX_JSON_BYTES = limit
     with pytest.raises(TypeError):
         OrbaxRecorder(settings="full")
 

@@ -80,9 +80,9 @@ ARRAYS_ITEM = "arrays"
 JSON_ITEM = "trainrec"
 JSON_FILE = "metadata"  # the file `ocp.args.JsonSave` writes inside its item's directory
 MARKER = f"{JSON_ITEM}/{JSON_FILE}"
-MAX_JSON_BYTES = 1 << 30
-"""A JSON item larger than this is refused before it is read (it holds the structure and
-scalars only; the arrays live in Orbax's own files)."""
+MAX_JSON_BYTES = 256 << 20
+"""A JSON item larger than this is refused before it is read, and never written (it holds
+the structure and scalars only; the arrays live in Orbax's own files)."""
 
 _STAGING = ".trainrec-new"
 """A save over an existing checkpoint `NAME` writes `NAME.trainrec-new` first."""
@@ -147,6 +147,12 @@ class OrbaxRecorder(RecorderBase):
             "dtypes": tables.dtypes,
         }
         doc["crc"] = _doc_crc(doc)
+        size = len(json.dumps(doc))  # as `JsonSave` writes it
+        if size > MAX_JSON_BYTES:
+            raise RecorderError(
+                f"the record's structure and scalars take {size} bytes as JSON, more than the "
+                f"{MAX_JSON_BYTES} a load accepts: hold large data in arrays, not lists",
+                source=source)
         items = {JSON_ITEM: ocp.args.JsonSave(doc)}
         if arrays:
             items[ARRAYS_ITEM] = ocp.args.PyTreeSave(arrays)
