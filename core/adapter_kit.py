@@ -20,8 +20,9 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
   a CRC over every byte; spec/FORMAT.md section 8): `Header`, `FILE_CRC_BYTES`, `CrcWriter`,
   `TensorTables`, `header_fields`, `path_arg`, `reserve_bytes`, `BF16PrecisionSettings`,
   and `ptfile` (the torch-free reader of `.pt` zips the torch adapter writes); reading one
-  back: `parse_header`, `verify_checksums`, `restore_dtypes`, `crc32`, and `TENSOR_KEY`
-  (the map key items may not use, free for a format to mark tensors with);
+  back: `parse_header`, `verify_checksums`, `restore_dtypes`, `crc32`, `TENSOR_KEY`
+  (the map key items may not use, free for a format to mark tensors with) and
+  `reader_of` (which recorder reads a file of another format, for the error);
 - conversion through a neutral form (spec/ADAPTERS.md section 8): `NeutralForm`,
   `Neutral`, `NeutralOptimizer`, `ScheduleCount`, `TargetState`, `ConversionError`,
   `register_neutral_form`, `as_map`, `as_list`, `as_count`, `tensors_of`, the rules a form
@@ -92,6 +93,7 @@ from .recorders import RecorderBase
 from .records import RngRecord, StateRecord, check_tensor_map, expect_kind, kind_mismatches, record
 from .registry import Adapter, adapt, register_adapter
 from .rules import PRESETS, Rule
+from .sniff import reader_of
 from .tensor import TensorData
 from .training import TrainingRecord
 from .workload import Parts, Workload, train_until
@@ -160,6 +162,7 @@ __all__ = [
     "path_arg",
     "path_of",
     "ptfile",
+    "reader_of",
     "record",
     "register_adapter",
     "register_neutral_form",

@@ -341,6 +341,9 @@ def test_foreign_paths_are_clear_errors(tmp_path, saved):
     (tmp_path / "file").write_bytes(b"\x00" * 10)
     with pytest.raises(CorruptRecordError, match="a file, not an Orbax checkpoint"):
         OrbaxRecorder().read(tmp_path / "file")
+    trainrec.DefaultRecorder().save_item({"x": 1}, tmp_path / "x.mpk")
+    with pytest.raises(CorruptRecordError, match="this is a NamedMpk file: NamedMpkFileRecorder"):
+        OrbaxRecorder().read(tmp_path / "x.mpk")
     with pytest.raises(FileMissingError):
         OrbaxRecorder().read(tmp_path / "missing")
     import orbax.checkpoint as ocp
@@ -384,6 +387,9 @@ def test_read_file_and_the_cli_recognise_an_orbax_directory(tmp_path, saved, cap
     with pytest.raises(FileMissingError, match="a directory, not a record file"):
         read_file(tmp_path / "plain")
     assert main(["inspect", str(tmp_path / "plain")]) == 3
+    with pytest.raises(FileMissingError, match="this is an Orbax checkpoint directory: "
+                                               "trainrec.adapters.jax.OrbaxRecorder reads it"):
+        trainrec.DefaultRecorder().load_item(saved)  # another recorder says which one reads it
     _edit(saved, lambda d: d["item"].__setitem__("step", 4), fix_crc=False)
     assert main(["verify", str(saved)]) == 1
 

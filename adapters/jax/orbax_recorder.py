@@ -67,6 +67,7 @@ from trainrec.adapter_kit import (
     map_leaves,
     parse_header,
     path_arg,
+    reader_of,
     restore_dtypes,
     store_tensor,
     verify_checksums,
@@ -354,8 +355,14 @@ def _read_doc(path: Path, source: str) -> dict[str, Any]:
     if not path.exists():
         raise FileMissingError("no such checkpoint", source=source)
     if not path.is_dir():
-        raise CorruptRecordError("a file, not an Orbax checkpoint (a directory): read it with "
-                                 "trainrec.read_file", source=source)
+        try:
+            with open(path, "rb") as f:
+                hint = reader_of(f.read(64), not_=FORMAT)
+        except OSError:
+            hint = ""
+        raise CorruptRecordError("a file, not an Orbax checkpoint (a directory)"
+                                 + (hint or "; trainrec.read_file reads a record file of any format"),
+                                 source=source)
     marker = path / MARKER
     if not marker.is_file():
         what = ("an Orbax checkpoint without trainrec's item (items: "
