@@ -74,6 +74,10 @@ def trainrec_recorder(kind: str) -> tuple[Save, Load]:
         from trainrec.adapters.jax.recorder import FlaxMsgpackFileRecorder
 
         recorder = FlaxMsgpackFileRecorder()
+    elif kind == "orbax":  # an Orbax checkpoint directory, as orbax's StandardCheckpointer's
+        from trainrec.adapters.jax import OrbaxRecorder
+
+        recorder = OrbaxRecorder()
     else:
         import trainrec.adapters.torch as trt
 
@@ -146,6 +150,7 @@ PEERS: dict[str, Callable[[], tuple[Save, Load]]] = {
     "trainrec durable=False, mmap+verify load": lambda: trainrec_recorder("fast"),
     "trainrec TorchFileRecorder": lambda: trainrec_recorder("torch"),
     "trainrec FlaxMsgpackFileRecorder": lambda: trainrec_recorder("flax"),
+    "trainrec OrbaxRecorder": lambda: trainrec_recorder("orbax"),
     "trainrec NamedMpkGzFileRecorder": lambda: trainrec_recorder("gz"),
     "torch.save/load(weights_only)": torch_pickle,
     "safetensors.torch": safetensors_torch,

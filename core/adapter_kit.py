@@ -19,7 +19,10 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 - a file format with trainrec's envelope (a header, a per-tensor checksum and dtype table,
   a CRC over every byte; spec/FORMAT.md section 8): `Header`, `FILE_CRC_BYTES`, `CrcWriter`,
   `TensorTables`, `header_fields`, `path_arg`, `reserve_bytes`, `BF16PrecisionSettings`,
-  and `ptfile` (the torch-free reader of `.pt` zips the torch adapter writes);
+  and `ptfile` (the torch-free reader of `.pt` zips the torch adapter writes); reading one
+  back: `parse_header`, `verify_checksums`, `restore_dtypes`, `crc32`, `TENSOR_KEY`
+  (the map key items may not use, free for a format to mark tensors with) and
+  `reader_of` (which recorder reads a file of another format, for the error);
 - conversion through a neutral form (spec/ADAPTERS.md section 8): `NeutralForm`,
   `Neutral`, `NeutralOptimizer`, `ScheduleCount`, `TargetState`, `ConversionError`,
   `register_neutral_form`, `as_map`, `as_list`, `as_count`, `tensors_of`, the rules a form
@@ -30,6 +33,7 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 
 from . import ptfile
 from ._atomic import atomic_write
+from .checksum import crc32
 from .convert import (
     ConversionError,
     Neutral,
@@ -49,13 +53,17 @@ from .envelope import (
     CrcWriter,
     TensorTables,
     header_fields,
+    parse_header,
     path_arg,
     reserve_bytes,
+    restore_dtypes,
+    verify_checksums,
 )
 from .errors import CorruptRecordError, RecorderError, RecordMismatchError
 from .format import Header, check_limits
 from .gradients import GradientsParams, GradientsParamsRecord
 from .items import (
+    TENSOR_KEY,
     Item,
     check_item,
     compare_items,
@@ -85,6 +93,7 @@ from .recorders import RecorderBase
 from .records import RngRecord, StateRecord, check_tensor_map, expect_kind, kind_mismatches, record
 from .registry import Adapter, adapt, register_adapter
 from .rules import PRESETS, Rule
+from .sniff import reader_of
 from .tensor import TensorData
 from .training import TrainingRecord
 from .workload import Parts, Workload, train_until
@@ -125,6 +134,7 @@ __all__ = [
     "Rule",
     "ScheduleCount",
     "StateRecord",
+    "TENSOR_KEY",
     "TargetState",
     "TensorData",
     "TensorTables",
@@ -139,6 +149,7 @@ __all__ = [
     "check_limits",
     "check_tensor_map",
     "compare_items",
+    "crc32",
     "expect_kind",
     "header_fields",
     "iter_tensors",
@@ -147,16 +158,20 @@ __all__ = [
     "map_leaves",
     "map_tensors",
     "map_tree",
+    "parse_header",
     "path_arg",
     "path_of",
     "ptfile",
+    "reader_of",
     "record",
     "register_adapter",
     "register_neutral_form",
     "reserve_bytes",
+    "restore_dtypes",
     "store_tensor",
     "tensors_of",
     "train_until",
+    "verify_checksums",
     "walk",
     "walk_pairs",
 ]

@@ -166,10 +166,12 @@ def _message(e: BaseException, *, lines: bool = False) -> str:
     return "\n    ".join(_printable(line) for line in str(e).split("\n"))
 
 
-def _regular_file(path: str) -> None:
-    """Refuse, before opening it, anything but a regular file (or a link to one): a FIFO
-    would block the read forever, a device never end. Raises `FileMissingError` for a
-    missing path or a directory, `RecorderError` for the rest."""
+def _regular_file(path: str, *, checkpoint: bool = True) -> None:
+    """Refuse, before opening it, anything but a regular file or a directory (or a link to
+    one): a FIFO would block the read forever, a device never end. A directory given as a
+    `checkpoint` is left to `read_file` (one of a directory format, such as Orbax's, or
+    refused there). Raises `FileMissingError` for a missing path or another directory,
+    `RecorderError` for the rest."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError as e:
@@ -177,7 +179,9 @@ def _regular_file(path: str) -> None:
     except (OSError, ValueError) as e:
         raise RecorderError(f"cannot read: {e}", source=path) from e
     if stat.S_ISDIR(mode):
-        raise FileMissingError("a directory, not a record file", source=path)
+        if checkpoint:
+            return  # a checkpoint of a directory format (Orbax), or refused by read_file
+        raise FileMissingError("a directory, not a file", source=path)
     if not stat.S_ISREG(mode):
         raise RecorderError("not a regular file (a FIFO, device or socket): refused", source=path)
 
@@ -402,9 +406,9 @@ def _convert(args: argparse.Namespace) -> int:
                   "apply only to a conversion (--to FORM)", file=sys.stderr)
             return 2
     try:
-        for given in (args.src, args.template, args.map):
+        for given, checkpoint in ((args.src, True), (args.template, True), (args.map, False)):
             if given is not None:
-                _regular_file(given)
+                _regular_file(given, checkpoint=checkpoint)
         header, item = read_file(args.src, mmap=True)  # NamedMpk sources stream from the map
         if args.to == "mpk":
             total = sum(1 for _ in iter_tensors(item))
@@ -439,7 +443,7 @@ def _convert(args: argparse.Namespace) -> int:
             rules = []
             for given in (args.rules or []) + ([args.map] if args.map else []):
                 if given not in PRESETS or os.path.exists(given):
-                    _regular_file(given)
+                    _regular_file(given, checkpoint=False)
                 rules += load_rules(given)
             lr = None if args.lr is None else args.lr[0] if len(args.lr) == 1 else args.lr
             converted = convert(source, template, rules=rules or None, force=args.force,

@@ -89,6 +89,19 @@ def reading(source: str) -> Iterator[None]:
     except FileNotFoundError as e:
         raise FileMissingError("no such checkpoint", source=source) from e
     except IsADirectoryError as e:
-        raise FileMissingError("checkpoint path is a directory", source=source) from e
+        raise FileMissingError("checkpoint path is a directory" + _directory_hint(source),
+                               source=source) from e
     except OSError as e:
         raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
+
+
+def _directory_hint(path: str) -> str:
+    """Which recorder reads the checkpoint directory `path` (a format of directories, such
+    as Orbax's), for the error a file recorder gives it; "" when none claims it."""
+    from .formats import resolve_directory_format
+
+    try:
+        fmt = resolve_directory_format(path)
+    except RecorderError:
+        return ""
+    return f"; this is {fmt.description or fmt.name}, and trainrec.read_file reads any of them"

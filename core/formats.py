@@ -10,15 +10,22 @@ extension. Resolution order of `known_formats()`:
    format's name, value = `"module:attr"` naming a `Format`), by name; an entry point
    that fails to load, or names something else, is skipped with a warning;
 3. the built-in formats: NamedMpk (`.mpk`), gzip NamedMpk (`.mpk.gz`), flax msgpack
-   (`.msgpack`) and torch (`.pt`). These are the one place `core/` names adapter
-   modules: a `.pt` file is *read* by core (`trainrec.ptfile`), only its recorder (for
-   writing) lives in `trainrec.adapters.torch`.
+   (`.msgpack`), torch (`.pt`) and Orbax checkpoint directories (`.orbax`). These are
+   the one place `core/` names adapter modules: a `.pt` file is *read* by core
+   (`trainrec.ptfile`), only its recorder (for writing) lives in
+   `trainrec.adapters.torch`; an Orbax checkpoint is read by
+   `trainrec.adapters.jax.orbax_recorder`, imported only when one is read (it needs
+   `orbax-checkpoint`, which needs JAX).
 
 The first format of a name wins. A file is read by the first format, in that order, whose
 `sniff` accepts its first bytes; the extension only decides between several that do, and
 names the format whose reader explains a file no sniff accepts. A file whose content is
 one format and whose name another's is refused, naming both. Registration is explicit:
 importing a module registers nothing.
+
+A format whose checkpoints are directories names a `marker`, the path of a file inside
+one: a directory is read by the first such format whose `sniff` accepts the first bytes
+of its marker file, and a file is never sniffed by one (nor a directory by a file format).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ __all__ = [
     "format_for_name",
     "sniff_format",
     "resolve_format",
+    "resolve_directory_format",
     "recorder_for",
 ]
 
@@ -73,7 +81,10 @@ class Format:
       precision settings; imported only when asked for, and may need a framework);
     - `description`: what a file of this format is and what reads it, a phrase for
       error messages (`"a .pt zip file: TorchFileRecorder reads it"`);
-    - `verified`: what a successful read has checked (printed by `trainrec verify`).
+    - `verified`: what a successful read has checked (printed by `trainrec verify`);
+    - `marker`: for a format whose checkpoints are directories, the path inside one of
+      the file whose first bytes `sniff` is given (`"trainrec/metadata"`); `""` (the
+      default) for a format of files.
     """
 
     name: str
@@ -83,6 +94,7 @@ class Format:
     recorder: str
     description: str = ""
     verified: str = "nothing: this format carries no checksums (parsed only)"
+    marker: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -95,6 +107,9 @@ class Format:
         module, sep, attr = self.recorder.partition(":") if isinstance(self.recorder, str) else ("", "", "")
         if not (module and sep and attr):
             raise TypeError(f"Format.recorder must be 'module:attr', got {self.recorder!r}")
+        if not isinstance(self.marker, str) or self.marker.startswith("/") or ".." in self.marker.split("/"):
+            raise TypeError(f"Format.marker must be a relative path inside a checkpoint "
+                            f"directory (or ''), got {self.marker!r}")
 
     def new_recorder(self, settings: PrecisionSettings | None = None) -> RecorderBase:
         """A recorder that writes this format. Raises `RecorderError` naming the module
@@ -180,6 +195,8 @@ def _sniffed(head: bytes) -> list[Format]:
     head = bytes(head[:SNIFF_BYTES])
     out = []
     for fmt in known_formats():
+        if fmt.marker:
+            continue  # a directory format: sniffed by `resolve_directory_format`
         try:
             ok = fmt.sniff(head)
         except Exception as e:  # a third party's sniff: it must not raise
@@ -217,6 +234,33 @@ def resolve_format(path: str | Path, head: bytes) -> Format:
         return named
     what = "an empty file" if not head else "its first bytes match none of the formats trainrec knows"
     raise CorruptRecordError(f"not a record file: {what} ({_known()})", source=str(path))
+
+
+def resolve_directory_format(path: str | Path) -> Format:
+    """The format to read the directory `path`: the first (in resolution order) with a
+    `marker` whose `sniff` accepts the first bytes of that file inside it.
+
+    Raises `FileMissingError` when no format of directories claims it."""
+    from .errors import FileMissingError
+
+    p = Path(path)
+    for fmt in known_formats():
+        if not fmt.marker:
+            continue
+        try:
+            with open(p / fmt.marker, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+        except OSError:
+            continue
+        try:
+            ok = fmt.sniff(head)
+        except Exception as e:  # a third party's sniff: it must not raise
+            raise RecorderError(f"the sniff of format {fmt.name} failed: {type(e).__name__}: {e}") from e
+        if ok:
+            return fmt
+    known = ", ".join(f"{f.name} ({f.marker})" for f in known_formats() if f.marker)
+    raise FileMissingError(f"a directory, not a record file (no format of directories claims "
+                           f"it: {known or 'none known'})", source=str(path))
 
 
 def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) -> RecorderBase:
@@ -283,6 +327,20 @@ def _read_torch(path: Path, mmap: bool) -> tuple[Header, Item]:
     return read_pt(path, mmap)
 
 
+def _sniff_orbax(head: bytes) -> bool:
+    """The JSON item of `OrbaxRecorder`'s checkpoints starts with its format string."""
+    return head.lstrip().startswith(b"{") and b'"trainrec.orbax"' in head
+
+
+def _read_orbax(path: Path, mmap: bool) -> tuple[Header, Item]:
+    try:
+        from trainrec.adapters.jax.orbax_recorder import read_orbax
+    except ImportError as e:
+        raise RecorderError(f"reading a trainrec.orbax checkpoint needs orbax-checkpoint and "
+                            f"JAX ({e}): pip install 'trainrec[orbax]'", source=str(path)) from e
+    return read_orbax(path, mmap)
+
+
 _BUILTIN: tuple[Format, ...] = (
     Format("trainrec.namedmpk", (".mpk",), _sniff_namedmpk, _read_namedmpk,
            "trainrec.recorders:NamedMpkFileRecorder",
@@ -301,6 +359,12 @@ _BUILTIN: tuple[Format, ...] = (
            "trainrec.adapters.torch.recorder:TorchFileRecorder",
            "a .pt zip file: trainrec.adapters.torch.TorchFileRecorder reads it",
            "the file checksum over every byte (header, structure, tensors, zip framing)"),
+    Format("trainrec.orbax", (".orbax",), _sniff_orbax, _read_orbax,
+           "trainrec.adapters.jax.orbax_recorder:OrbaxRecorder",
+           "an Orbax checkpoint directory: trainrec.adapters.jax.OrbaxRecorder reads it",
+           "the JSON item's checksum (header, structure, scalars, tensor table), Orbax's "
+           "array metadata against the table, and every tensor checksum",
+           marker="trainrec/metadata"),
 )
 
 

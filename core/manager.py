@@ -9,6 +9,13 @@ checkpoint's rename is the step's commit: a step is listed exactly when its chec
 file exists, and then its metrics are already on disk. Retention deletes the checkpoint
 first (the step is gone at once) and its metrics after. Every other name in the
 directory is foreign: never read, never deleted.
+
+A recorder whose checkpoints are directories (`OrbaxRecorder`) says so with
+`is_directory = True`: a step is then a directory of that name, and retention renames it
+to `.{name}.trainrec-del` (the step is gone at once) before deleting it. Such a recorder
+may name the endings of what a killed save of its own leaves next to a checkpoint
+(`temp_suffixes`, e.g. Orbax's `.orbax-checkpoint-tmp`, optionally followed by
+`-{digits}`); the sweep after each save removes those of steps up to the newest.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import math
 import operator
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -44,6 +52,8 @@ _METRICS_SUFFIX = ".metrics.json"
 _STEP = re.compile(r"step-(\d{8,})")
 _TEMP = re.compile(rf"\.(step-.+)\.[0-9a-f]{{{_TOKEN_HEX}}}" + re.escape(TEMP_SUFFIX))
 """A temp file of `_atomic.atomic_write` for a target named `step-...`."""
+_DELETING = ".trainrec-del"
+"""A directory checkpoint being deleted by retention: `.{name}` + this."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,12 @@ class CheckpointManager:
         self.directory = Path(directory)
         self._suffix = suffix
         self._name = re.compile(_STEP.pattern + re.escape(suffix))
+        self._is_dir = getattr(recorder, "is_directory", False) is True
+        leftovers = getattr(recorder, "temp_suffixes", ())
+        if isinstance(leftovers, str) or not all(isinstance(x, str) and x for x in leftovers):
+            raise TypeError(f"{type(recorder).__name__}.temp_suffixes must be a tuple of name "
+                            f"endings, got {leftovers!r}")
+        self._leftovers = tuple(leftovers)
         if self.directory.exists() and not self.directory.is_dir():
             raise RecorderError("the checkpoint directory is a file, not a directory",
                                 source=str(self.directory))
@@ -230,10 +246,18 @@ class CheckpointManager:
             _make_durable(newest_path)  # the recorder may be durable=False
         for s in doomed:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(s))  # first: the step is gone at once
+                self._delete_checkpoint(self._path(s))  # first: the step is gone at once
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._metrics_path(s))
         self._sweep(newest)
+
+    def _delete_checkpoint(self, path: Path) -> None:
+        if not self._is_dir:
+            os.unlink(path)
+            return
+        doomed = path.with_name(f".{path.name}{_DELETING}")
+        os.rename(path, doomed)  # one step: the step is no longer listed
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def _kept(self, steps: Sequence[int], newest: int) -> set[int]:
         keep = {newest}
@@ -275,6 +299,25 @@ class CheckpointManager:
                     and self._step_of(target[: -len(_METRICS_SUFFIX)]) is not None)
                 if ours and sys.platform != "win32":  # no flock there: nothing tells a live writer
                     _remove_if_orphaned(str(self.directory / name))
+            elif self._is_dir:
+                self._sweep_directory_leftover(name, newest)
+
+    def _sweep_directory_leftover(self, name: str, newest: int) -> None:
+        """Remove a directory checkpoint that retention was deleting, or what a killed save
+        of a step older than `newest` left (the recorder's `temp_suffixes`)."""
+        target: str | None
+        if name.startswith(".") and name.endswith(_DELETING):
+            target = name[1 : -len(_DELETING)]
+            stale = True
+        else:
+            found = (re.fullmatch(rf"(.+){re.escape(x)}(-\d+)?", name) for x in self._leftovers)
+            target = next((m.group(1) for m in found if m is not None), None)
+            stale = False
+        if target is None or not self._name.fullmatch(target):
+            return
+        s = self._step_of(target[: -len(self._suffix)])
+        if s is not None and (stale or s <= newest):  # saves run one at a time: none is live
+            shutil.rmtree(self.directory / name, ignore_errors=True)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -294,7 +337,7 @@ class CheckpointManager:
         step that is not complete."""
         step = _step_arg(step)
         self._raise_pending()
-        if not self._path(step).is_file():
+        if not self._is_complete(self._path(step)):
             raise self._missing(step)
         return self._metrics_of(step)
 
@@ -328,7 +371,7 @@ class CheckpointManager:
                                        "step yet", source=str(self.directory))
             step = steps[-1]
         step = _step_arg(step)
-        if not self._path(step).is_file():
+        if not self._is_complete(self._path(step)):
             raise self._missing(step)
         return TrainingRecord.load(self.recorder, self._path(step), device, state_type=state_type)
 
@@ -382,7 +425,7 @@ class CheckpointManager:
         try:
             with os.scandir(self.directory) as entries:
                 for entry in entries:
-                    if self._name.fullmatch(entry.name) and entry.is_file():
+                    if self._name.fullmatch(entry.name) and self._is_complete(entry):
                         s = self._step_of(entry.name[: -len(self._suffix)])
                         if s is not None:
                             steps.append(s)
@@ -392,6 +435,11 @@ class CheckpointManager:
             raise RecorderError(f"cannot list the checkpoint directory: {e}",
                                 source=str(self.directory)) from e
         return sorted(steps)
+
+    def _is_complete(self, entry: os.DirEntry[str] | Path) -> bool:
+        """Whether a checkpoint of this manager's recorder is there: a file, or a
+        directory for a recorder whose checkpoints are directories."""
+        return entry.is_dir() if self._is_dir else entry.is_file()
 
     def _missing(self, step: int) -> FileMissingError:
         steps = self._complete_steps()
@@ -461,9 +509,16 @@ def _rank(value: float, mode: str) -> tuple[int, float]:
 
 
 def _make_durable(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """fsync a checkpoint (a file, or a directory with every file and folder in it) and
+    the directory that holds it."""
+    paths = [path]
+    if path.is_dir():
+        for root, dirs, files in os.walk(path):
+            paths += [Path(root, n) for n in (*dirs, *files)]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     _fsync_dir(path.parent)

@@ -280,21 +280,22 @@ class CompactRecorder(NamedMpkFileRecorder):
 def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:
     """Header and item of any record file of a registered format (`trainrec.formats`),
     with only core installed: NamedMpk (plain or gzip), `.pt` (`TorchFileRecorder`'s, read
-    without torch), flax msgpack, and any format a third party registers.
+    without torch), flax msgpack, and any format a third party registers; and an Orbax
+    checkpoint directory of `OrbaxRecorder`'s (which needs orbax-checkpoint).
 
     The format is the one the file's first bytes say; its extension only decides between
     formats that both accept them. `mmap=True` maps the file where the format can.
 
     Raises:
-        FileMissingError: no such file, or a directory.
+        FileMissingError: no such file, or a directory no format of directories claims.
         CorruptRecordError: damaged, of no known format (the message lists the known
             ones), or of one format but named as another's.
         UnsupportedVersionError: written by a format version this trainrec cannot read.
     """
-    from .formats import BUILTIN_FORMATS, resolve_format
+    from .formats import BUILTIN_FORMATS, resolve_directory_format, resolve_format
 
     p = path_arg(path)
-    fmt = resolve_format(p, _head(p))
+    fmt = resolve_directory_format(p) if p.is_dir() else resolve_format(p, _head(p))
     try:
         got = fmt.reader(p, mmap)
     except (RecorderError, OSError):

@@ -127,8 +127,15 @@ def _recorders():
         from trainrec.adapters.jax import FlaxMsgpackFileRecorder
         return FlaxMsgpackFileRecorder(NATIVE)
 
+    def orbax_recorder():
+        pytest.importorskip("jax")
+        pytest.importorskip("orbax.checkpoint")
+        from trainrec.adapters.jax import OrbaxRecorder
+        return OrbaxRecorder(NATIVE)
+
     yield pytest.param(torch_recorder, id="torch")
     yield pytest.param(flax_recorder, id="flax")
+    yield pytest.param(orbax_recorder, id="orbax")  # checkpoints are directories
 
 
 @pytest.mark.parametrize("make", list(_recorders()))

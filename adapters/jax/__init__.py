@@ -9,7 +9,8 @@ as they are (`trainrec.adapt` finds them): a flax `nnx.Module` / `nnx.Optimizer`
 (restored as a new module: `RestoredTraining.model`). `JaxRngRecord` records JAX keys
 (typed and raw) and flax nnx `Rngs`.
 `FlaxMsgpackFileRecorder` writes flax's msgpack convention (readable by
-`flax.serialization.msgpack_restore`) without needing flax.
+`flax.serialization.msgpack_restore`) without needing flax; `OrbaxRecorder` writes
+Orbax checkpoint directories through `orbax-checkpoint` (every process its own shards).
 Restore targets may be abstract (`jax.ShapeDtypeStruct` leaves, from `jax.eval_shape`):
 `TrainingRecord.restore(JaxModule(abstract), ...)` and `restore_tree(rec.model, abstract)`
 give concrete arrays placed by the targets' shardings; sharded arrays are captured
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     )
     from .equinox import EqxModule
     from .nnx import NnxModule, NnxOptimizer
+    from .orbax_recorder import OrbaxRecorder
     from .recorder import FlaxMsgpackFileRecorder
     from .restore import restore_tree
     from .rng import JaxRngRecord
@@ -53,6 +55,7 @@ __all__ = [
     "JaxOptimizer",
     "NnxModule",
     "NnxOptimizer",
+    "OrbaxRecorder",
     "JaxRngRecord",
     "accumulate_tree",
     "grads_from",
@@ -65,6 +68,7 @@ _HOME["FlaxMsgpackFileRecorder"] = "recorder"
 _HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
 _HOME["JaxRngRecord"] = "rng"
 _HOME["restore_tree"] = "restore"
+_HOME["OrbaxRecorder"] = "orbax_recorder"
 
 
 def __getattr__(name: str) -> Any:
@@ -74,9 +78,10 @@ def __getattr__(name: str) -> Any:
     try:
         module = importlib.import_module(f"{__name__}.{home}")
     except ImportError as e:
-        if e.name is not None and e.name.partition(".")[0] in ("jax", "jaxlib", "optax", "flax", "equinox"):
+        if e.name is not None and e.name.partition(".")[0] in (
+                "jax", "jaxlib", "optax", "flax", "equinox", "orbax"):
             root = e.name.partition(".")[0]
-            extra = root if root in ("flax", "equinox") else "jax"
+            extra = root if root in ("flax", "equinox", "orbax") else "jax"
             raise ImportError(f"trainrec.adapters.jax.{name} needs {root}, which is not "
                               f"installed: pip install 'trainrec[{extra}]'", name=e.name) from e
         raise
