@@ -8,7 +8,7 @@ optimizer, ...)` takes the nnx objects themselves).
 ParamIds are the key paths of `nnx.state(model)` (`block.linear.kernel`). `nnx.Param`
 variables are trainable; every other variable (`BatchStat`, `RngCount`, the `RngKey`s
 of `nnx.Rngs` held by the module, user variables) is recorded and restored but receives
-no gradients. Key arrays are recorded as their key data and implementation (`_arrays`).
+no gradients. Key arrays are recorded as `JaxRngRecord` records a key (`_arrays`).
 """
 
 from __future__ import annotations
