@@ -693,3 +693,22 @@ def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_a_jax_pytree_of_an_nnx_state_is_refused_saying_to_capture_the_module_itself():
+    """`trj.JaxModule(nnx.state(model))` names its parameters `linear.kernel`: not flax linen
+    variables, so the jax form cannot read them; the refusal says what converts."""
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    import trainrec.adapters.jax as trj
+
+    model = nnx.Linear(SIZES[0], SIZES[2], rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    tx = optax.adam(1e-2)
+    record = TrainingRecord.capture(trj.JaxModule(state), trj.JaxOptimizer(tx, tx.init(state)), None,
+                                    GradientsAccumulator(), S(0))
+    with pytest.raises(ConversionError, match=r"source.model: a jax.pytree record converts as flax linen "
+                                              r"variables.*\(bias, kernel\).*Capture an nnx.Module or eqx.Module"):
+        convert(record, NumpyRun("adam").record(0))
+    native = TrainingRecord.capture(model, nnx.Optimizer(model, tx, wrt=nnx.Param), None, GradientsAccumulator(), S(0))
+    assert framework_of(native) == "flax.nnx"  # what the message says to do

@@ -174,7 +174,17 @@ class JaxForm:
     rng_markers: frozenset[str] = frozenset()
 
     def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
-        return tensors_of(model.item, f"{role}.model")
+        """The tensors, once some are flax linen parameters (`params.M.leaf`); else
+        `ConversionError` saying how to capture nnx, equinox or a plain tree."""
+        tensors = tensors_of(model.item, f"{role}.model")
+        if tensors and not any(k.startswith("params.") for k in tensors):
+            some = ", ".join(sorted(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
+            raise ConversionError(
+                f"{role}.model: a {model.kind} record converts as flax linen variables, whose parameters "
+                f"are under `params` (`params.Dense_0.kernel`); this one has none ({some}). Capture "
+                "an nnx.Module or eqx.Module itself (not nnx.state or eqx.filter of it: the flax.nnx and "
+                "equinox forms convert those), or hold a plain tree as trj.JaxModule({'params': tree})")
+        return tensors
 
     def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
         collection, _, rest = name.partition(".")
@@ -319,6 +329,9 @@ class NnxForm(JaxForm):
     kinds = ("flax.nnx",)
     _moment_prefix = ""  # nnx.Optimizer's optax state holds the Params by their own paths
 
+    def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
+        return tensors_of(model.item, f"{role}.model")
+
     def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
         parts = name.split(".")
         if "rngs" in parts[:-1] and parts[-1] == "count":
@@ -350,6 +363,9 @@ class EqxForm(JaxForm):
     name = "equinox"
     kinds = ("equinox",)
     _moment_prefix = ""
+
+    def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
+        return tensors_of(model.item, f"{role}.model")
 
     def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
         path, _, leaf = name.rpartition(".")
