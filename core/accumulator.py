@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
@@ -30,7 +31,9 @@ class GradientsAccumulator(Generic[M]):
         `load_record` needs when the device is given as a string)."""
         self._pending: dict[ParamId, Any] = {}
         self._backend = backend
-        self._module: AutodiffModule | None = None  # the last one that was its own protocol object
+        # the last module that was its own protocol object, weakly: the accumulator must not
+        # keep a model (and its parameters) alive after the caller dropped it
+        self._module: weakref.ref[AutodiffModule] | None = None
         # shapes of pending tensors, as checked against the parameters of `_module`
         self._shapes: dict[ParamId, tuple[int, ...]] = {}
 
@@ -121,11 +124,16 @@ class GradientsAccumulator(Generic[M]):
         """`adapt_module`, and whether `module` is the protocol object of the last call:
         the protocol checks are then skipped (they cost more than a jitted accumulation
         of a small tree)."""
-        last = self._module
-        if last is not None and id(module) == id(last):
+        last = None if self._module is None else self._module()
+        if last is not None and id(last) == id(module):  # alive: `last` holds it during the call
             return last, True
         bound = adapt_module(module)
-        self._module = bound if bound is module else None
+        self._module = None
+        if bound is module:
+            try:
+                self._module = weakref.ref(bound)
+            except TypeError:  # an object that takes no weak references: checked every call
+                pass
         return bound, False
 
     def adopt(self, module: M, grads: GradientsParams) -> None:

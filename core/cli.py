@@ -87,8 +87,8 @@ def _main(argv: Sequence[str] | None) -> int:
     con = sub.add_parser(
         "convert", help="convert a record file between formats and frameworks",
         description="Re-encode a record as NamedMpk (--to mpk), or convert a TrainingRecord "
-        "to another adapter's layout (--to torch, jax, trainrec.numpy or any adapter's neutral "
-        "form name) following a template: a record file "
+        "to another adapter's layout (--to torch, jax (flax linen), flax.nnx, equinox, "
+        "trainrec.numpy or any adapter's neutral form name) following a template: a record file "
         "captured from a freshly built run of the target (its model and optimizer decide "
         "names, layouts and state structure). DST's extension picks the format: .pt "
         "(TorchFileRecorder), .msgpack (FlaxMsgpackFileRecorder), else NamedMpk.")
@@ -96,7 +96,7 @@ def _main(argv: Sequence[str] | None) -> int:
     con.add_argument("dst")
     con.add_argument("--to", required=True, metavar="FORM",
                      help="mpk (re-encode as NamedMpk; none of the options below apply), or the target's "
-                          "neutral form: torch, jax, trainrec.numpy, or the name an adapter registers (spec/ADAPTERS.md section 8)")
+                          "neutral form: torch, jax, flax.nnx, equinox, trainrec.numpy, or the name an adapter registers (spec/ADAPTERS.md section 8)")
     con.add_argument("--template", help="record file of the target (for every --to but mpk)")
     con.add_argument("--rules", action="append", metavar="FILE",
                      help="conversion rules: a JSON file {\"rules\": [{\"match\", \"replace\", ...}]} "

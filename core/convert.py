@@ -272,6 +272,8 @@ _loaded: dict[str, NeutralForm] = {}
 _BUILTIN: dict[str, str] = {
     "torch": "trainrec.adapters.torch.neutral:FORM",
     "jax": "trainrec.adapters.jax.neutral:FORM",
+    "flax.nnx": "trainrec.adapters.jax.neutral:NNX_FORM",
+    "equinox": "trainrec.adapters.jax.neutral:EQX_FORM",
     "trainrec.numpy": "trainrec.adapters.numpy.neutral:FORM",
 }
 

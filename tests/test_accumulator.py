@@ -256,3 +256,25 @@ def test_api_misuse(model):
         acc.accumulate_with_dtype(model, grads_of(model, 1.0), DType.F32)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         acc.accumulate(object(), grads_of(model, 1.0))
+
+
+def test_the_accumulator_keeps_no_module_alive():
+    """It remembers the last module only to skip re-checking it: weakly, so a model the
+    caller dropped (after `grads()`, or mid-window) is freed with its parameters."""
+    import gc
+    import weakref
+
+    model = MLP([3, 4, 2], seed=0)  # not the fixture, which pytest holds
+    acc = GradientsAccumulator()
+    acc.accumulate(model, grads_of(model, 1.0))
+    acc.accumulate(model, grads_of(model, 2.0))  # the same module: the remembered one
+    ref = weakref.ref(model)
+    other = MLP([3, 4, 2], seed=1)
+    acc.grads()
+    del model
+    gc.collect()
+    assert ref() is None
+    acc.accumulate(other, grads_of(other, 1.0))  # a new module is checked as any other
+    with pytest.raises(ValueError, match="shape"):
+        acc.accumulate(other, GradientsParams({k: np.ones((7,), np.float32) for k in other.params}))
+    assert all(np.array_equal(v, np.ones_like(v)) for v in pending(acc).values())

@@ -227,12 +227,109 @@ def _jax():
     return JaxRun
 
 
+def _native(kind):
+    """A flax nnx (`nnx.Optimizer`) or equinox (optax `JaxOptimizer`) run of the numpy MLP:
+    parameters `layers.{i}.kernel` / `layers.{i}.weight`, recorded as they are."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    import trainrec.adapters.jax as trj
+
+    def schedule(count):
+        return optax.warmup_cosine_decay_schedule(0.0, PEAK, WARM, TOTAL)(count)
+
+    def make_tx(opt):
+        return {"adamw": lambda: optax.adamw(schedule, eps=1e-8, weight_decay=1e-2),
+                "adam": lambda: optax.adam(schedule)}[opt]()
+
+    if kind == "nnx":
+        nnx = pytest.importorskip("flax.nnx")
+
+        class NnxMLP(nnx.Module):
+            def __init__(self, rngs):
+                self.layers = nnx.List([nnx.Linear(SIZES[0], SIZES[1], rngs=rngs),
+                                        nnx.Linear(SIZES[1], SIZES[2], rngs=rngs)])
+
+            def __call__(self, x):
+                return self.layers[1](jax.nn.relu(self.layers[0](x)))
+
+        def build(opt, seed):
+            model = NnxMLP(nnx.Rngs(seed))
+            return model, nnx.Optimizer(model, make_tx(opt), wrt=nnx.Param)
+
+        def step(run, grads):
+            run.opt.update(run.model, grads)
+
+        def params(model):
+            return {f"layers.{i}.{leaf}": np.asarray(getattr(model.layers[i], name)[...]).T if name == "kernel"
+                    else np.asarray(getattr(model.layers[i], name)[...])
+                    for i in range(2) for leaf, name in (("weight", "kernel"), ("bias", "bias"))}
+    else:
+        eqx = pytest.importorskip("equinox")
+
+        class EqxMLP(eqx.Module):
+            layers: list
+
+            def __init__(self, key):
+                k0, k1 = jax.random.split(key)
+                self.layers = [eqx.nn.Linear(SIZES[0], SIZES[1], key=k0), eqx.nn.Linear(SIZES[1], SIZES[2], key=k1)]
+
+            def __call__(self, x):
+                return jax.vmap(lambda v: self.layers[1](jax.nn.relu(self.layers[0](v))))(x)
+
+        def build(opt, seed):
+            model = EqxMLP(jax.random.key(seed))
+            tx = make_tx(opt)
+            return model, trj.JaxOptimizer(tx, tx.init(eqx.filter(model, eqx.is_inexact_array)))
+
+        def step(run, grads):
+            params = eqx.filter(run.model, eqx.is_inexact_array)
+            updates, run.opt.opt_state = run.opt.tx.update(grads, run.opt.opt_state, params)
+            run.model = eqx.apply_updates(run.model, updates)
+
+        def params(model):
+            return {f"layers.{i}.{leaf}": np.asarray(getattr(model.layers[i], leaf)) for i in range(2)
+                    for leaf in ("weight", "bias")}
+
+    def mse(model, xb, yb):
+        return jnp.mean((model(xb) - yb) ** 2)
+
+    class NativeRun:
+        def __init__(self, opt="adamw", seed=1):
+            self.model, self.opt = build(opt, seed)
+            self.acc, self.losses = GradientsAccumulator(), []
+
+        def train(self, start, stop, x, y):
+            for i in range(start, stop):
+                value_and_grad = nnx.value_and_grad if kind == "nnx" else eqx.filter_value_and_grad
+                loss, g = value_and_grad(mse)(self.model, jnp.asarray(x[i]), jnp.asarray(y[i]))
+                self.losses.append(float(loss))
+                self.acc.accumulate(self.model, trj.grads_from(g, self.model))
+                if (i + 1) % WINDOW == 0:
+                    g = self.acc.grads()
+                    step(self, trj.to_tree(GradientsParams({k: v / WINDOW for k, v in g.items()}), self.model))
+
+        def record(self, micro):
+            return TrainingRecord.capture(self.model, self.opt, None, self.acc, S(micro))
+
+        def restore(self, record):
+            restored = record.restore(self.model, self.opt, None, "cpu")
+            self.model, self.acc = restored.model, restored.accumulator
+
+        def params(self):
+            return params(self.model)
+
+    return NativeRun
+
+
 # numpy's SGD keeps no step count, so into optax's sgd(schedule), which counts updates, it
 # is refused unless forced (test_an_sgd_without_a_step_count_...)
 @pytest.mark.parametrize(("other", "opt"), [("torch", "adamw"), ("torch", "adam"), ("torch", "sgd"),
-                                            ("jax", "adamw"), ("jax", "adam")])
+                                            ("jax", "adamw"), ("jax", "adam"), ("nnx", "adamw"),
+                                            ("equinox", "adam")])
 def test_numpy_run_continues_in_torch_and_jax_and_back(other, opt):
-    other_run = _torch() if other == "torch" else _jax()
+    other_run = {"torch": _torch, "jax": _jax}.get(other, functools.partial(_native, other))()
     x, y = batches()
     ref = NumpyRun(opt)
     ref.train(0, K + M, x, y)
@@ -251,7 +348,7 @@ def test_numpy_run_continues_in_torch_and_jax_and_back(other, opt):
     np.testing.assert_allclose(back.losses, ref.losses[middle:], rtol=1e-5)
     for k, v in ref.model.params.items():
         np.testing.assert_allclose(back.model.params[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
-    if other == "torch":
+    if other in ("torch", "nnx", "equinox"):
         ahead = other_run(opt)
         ahead.restore(convert(via_file(ref.record(K + M)), ahead.record(0)))
         for k, v in ahead.params().items():
@@ -491,7 +588,8 @@ def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
     monkeypatch.setattr(tc, "_loaded", {})
     for kind, name in [("torch.nn.Module", "torch"), ("jax.pytree", "jax"),
-                       ("trainrec.numpy.MLP", "trainrec.numpy")]:
+                       ("trainrec.numpy.MLP", "trainrec.numpy"), ("flax.nnx.Module", "flax.nnx"),
+                       ("equinox.Module", "equinox")]:
         rec = SimpleNamespace(model=SimpleNamespace(kind=kind))
         assert tc.form_for(rec).name == name
     unknown = SimpleNamespace(model=SimpleNamespace(kind="acme.Net"), optimizer=SimpleNamespace(kind="acme.SGD"),
@@ -532,3 +630,85 @@ def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
     assert same(read_file(paths["out"])[1], read_file(want)[1])
     wrong = subprocess.run([*cli, "--to", "arraystrict"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "the template is a torch record, not arraystrict" in wrong.stderr
+
+
+def test_an_nnx_model_with_batch_norm_and_dropout_converts_to_torch_and_back():
+    """BatchNorm's statistics go with the parameters; the Dropout's `Rngs` (a key and a
+    count) are the framework's own: the target keeps its template's."""
+    torch = pytest.importorskip("torch")
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    import jax.numpy as jnp
+
+    class Net(nnx.Module):
+        def __init__(self, seed):
+            rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+            self.linear = nnx.Linear(4, 8, rngs=rngs)
+            self.norm = nnx.BatchNorm(8, rngs=rngs)
+            self.dropout = nnx.Dropout(0.25, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.norm(self.linear(x)))
+
+    class TorchNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm = torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8)
+
+    @nnx.jit
+    def update(model, opt, x):
+        opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+    def nnx_run(seed, steps):  # built and trained under jit: one compilation, not one per op
+        model = nnx.jit(lambda: Net(seed))()
+        opt = nnx.jit(lambda m: nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param))(model)
+        for i in range(steps):
+            update(model, opt, jnp.full((6, 4), i + 1.0) * jnp.arange(4.0))
+        return model, opt, TrainingRecord.capture(model, opt, None, GradientsAccumulator(), S(steps))
+
+    model, opt, record = nnx_run(0, 3)
+    net = TorchNet()
+    template = TrainingRecord.capture(net, torch.optim.Adam(net.parameters(), lr=1e-2), None,
+                                      GradientsAccumulator(), S(0))
+    assert framework_of(record) == "flax.nnx"
+    torch_rec = via_file(convert(via_file(record), via_file(template), lr=1e-2))
+    sd = torch_rec.model.item["tensors"]
+    np.testing.assert_array_equal(sd["linear.weight"].array, np.asarray(model.linear.kernel[...]).T)
+    np.testing.assert_array_equal(sd["norm.running_mean"].array, np.asarray(model.norm.mean[...]))
+    np.testing.assert_array_equal(sd["norm.weight"].array, np.asarray(model.norm.scale[...]))
+    _, _, fresh = nnx_run(5, 0)
+    back = via_file(convert(torch_rec, via_file(fresh)))
+    assert framework_of(back) == "flax.nnx"
+    other, other_opt, _ = nnx_run(5, 0)
+    back.restore(other, other_opt, None, "cpu")
+    for name in ("linear.kernel", "linear.bias", "norm.scale", "norm.bias", "norm.mean", "norm.var"):
+        a, b = (np.asarray(nnx.state(m)[name.split(".")[0]][name.split(".")[1]][...]) for m in (model, other))
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    mu, other_mu = (jax_leaves(o.opt_state[0].mu) for o in (opt, other_opt))
+    assert all(np.array_equal(a, b) for a, b in zip(mu, other_mu)) and int(other_opt.step[...]) == 3
+    assert int(other.dropout.rngs.count[...]) == 0  # the template's own RNG stream
+
+
+def jax_leaves(tree):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_a_jax_pytree_of_an_nnx_state_is_refused_saying_to_capture_the_module_itself():
+    """`trj.JaxModule(nnx.state(model))` names its parameters `linear.kernel`: not flax linen
+    variables, so the jax form cannot read them; the refusal says what converts."""
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+    import trainrec.adapters.jax as trj
+
+    model = nnx.Linear(SIZES[0], SIZES[2], rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    tx = optax.adam(1e-2)
+    record = TrainingRecord.capture(trj.JaxModule(state), trj.JaxOptimizer(tx, tx.init(state)), None,
+                                    GradientsAccumulator(), S(0))
+    with pytest.raises(ConversionError, match=r"source.model: a jax.pytree record converts as flax linen "
+                                              r"variables.*\(bias, kernel\).*Capture an nnx.Module or eqx.Module"):
+        convert(record, NumpyRun("adam").record(0))
+    native = TrainingRecord.capture(model, nnx.Optimizer(model, tx, wrt=nnx.Param), None, GradientsAccumulator(), S(0))
+    assert framework_of(native) == "flax.nnx"  # what the message says to do

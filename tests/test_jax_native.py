@@ -88,7 +88,10 @@ def test_nnx_params_are_trainable_batch_stats_and_rngs_recorded_not_trained():
     assert bound.param_ids() == ["linear.bias", "linear.kernel", "norm.bias", "norm.scale"]
     item = bound.into_record().item
     assert {"norm.mean", "norm.var", "dropout.rngs.count", "dropout.rngs.key"} <= set(item)
-    assert item["dropout.rngs.key"].dtype.value == "u32" and item["#rng_impl"] == {"dropout.rngs.key": "threefry2x32"}
+    key = item["dropout.rngs.key"]  # the key item JaxRngRecord and JaxModule record too
+    assert set(key) == {"impl", "data"} and key["impl"] == "threefry2x32" and key["data"].dtype.value == "u32"
+    assert np.array_equal(key["data"].array, jax.random.key_data(model.dropout.rngs.key[...]))
+    assert not any(k.startswith("#") for k in item)
     grads = trj.grads_from(nnx.grad(nnx_loss)(model, jnp.ones((2, 3))), model)
     assert list(grads) == bound.param_ids()  # nnx.grad's State: Params only, by the same ids
     assert isinstance(trainrec.adapt(nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)), trj.NnxOptimizer)
@@ -134,11 +137,37 @@ def test_nnx_mismatched_shapes_are_refused_and_change_nothing():
     small_before = nnx.clone(nnx.state(small))
     with pytest.raises(RecordMismatchError, match="linear.kernel: shape"):
         rec.restore(small, nnx.Optimizer(small, optax.adamw(1e-2), wrt=nnx.Param), None, "cpu")
-    with pytest.raises(RecordMismatchError, match="PRNG key implementations differ"):
-        trj.NnxModule(model).check_record(trainrec.StateRecord(
-            "flax.nnx.Module", {k: v for k, v in rec.model.item.items() if k != "#rng_impl"}))
+    rbg = {**rec.model.item, "dropout.rngs.key": {**rec.model.item["dropout.rngs.key"], "impl": "rbg"}}
+    with pytest.raises(RecordMismatchError, match=r"dropout.rngs.key: a rbg key array .* in the record, a "
+                                                  r"threefry2x32 key array .* live"):
+        trj.NnxModule(model).check_record(trainrec.StateRecord("flax.nnx.Module", rbg))
+    bare = {**rec.model.item, "dropout.rngs.key": rec.model.item["dropout.rngs.key"]["data"]}
+    with pytest.raises(RecordMismatchError, match=r"dropout.rngs.key: a u32 tensor in the record, a threefry2x32"):
+        trj.NnxModule(model).check_record(trainrec.StateRecord("flax.nnx.Module", bare))
     assert same(nnx.state(wide), before) and same(nnx.state(wide_opt), opt_before)
     assert same(nnx.state(small), small_before)
+
+
+def test_nnx_records_with_keys_in_the_earlier_form_still_restore_exactly():
+    """Before nnx and equinox records shared JaxRngRecord's key item, a key was its bare
+    key data with the implementation under `#rng_impl`: such records still restore."""
+    model, opt = nnx_trained(0)
+    item = dict(trj.NnxModule(model).into_record().item)
+    key = item["dropout.rngs.key"]
+    old = {**item, "dropout.rngs.key": key["data"], "#rng_impl": {"dropout.rngs.key": key["impl"]}}
+    r = trainrec.NamedMpkBytesRecorder(NativePrecisionSettings())
+    rec = TrainingRecord(trainrec.StateRecord("flax.nnx.Module", old), trainrec.adapt(opt).into_record(None),
+                         None, trainrec.GradientsParamsRecord({}), {"micro": 0}, Step)
+    rec = TrainingRecord.load(r, rec.save(r), "cpu", state_type=Step)
+    other, other_opt = nnx_trained(5, steps=1)
+    rec.restore(other, other_opt, None, "cpu")
+    assert same(nnx.state(other), nnx.state(model))
+    assert jax.random.key_impl(other.dropout.rngs.key[...]) == jax.random.key_impl(model.dropout.rngs.key[...])
+    wrong = {**old, "#rng_impl": {"dropout.rngs.key": "rbg"}}  # the earlier form's refusal, kept
+    with pytest.raises(RecordMismatchError, match="dropout.rngs.key: a rbg key array"):
+        trj.NnxModule(other).check_record(trainrec.StateRecord("flax.nnx.Module", wrong))
+    with pytest.raises(RecordMismatchError, match="#rng_impl"):
+        trj.NnxModule(other).check_record(trainrec.StateRecord("flax.nnx.Module", {**old, "#rng_impl": {"norm.mean": 3}}))
 
 
 # -- equinox ------------------------------------------------------------------------------
@@ -186,6 +215,23 @@ def test_equinox_arrays_recorded_inexact_trainable_static_leaves_kept(tmp_path):
     assert same(trj.to_tree(restored.accumulator.grads(), new), grads)
     held = trj.EqxModule(Counted(9))  # a holder passed in comes back, holding the new module
     assert rec.restore(held, fresh_opt, None, "cpu").model is held and same(held.model, model)
+
+
+def test_an_equinox_key_leaf_is_the_shared_key_item_and_restores_exactly(tmp_path):
+    class Noisy(eqx.Module):
+        w: jax.Array
+        key: jax.Array  # a typed key the model carries (an rbg one)
+
+    model = Noisy(jnp.ones(3), jax.random.key(4, impl="rbg"))
+    item = trj.EqxModule(model).into_record().item
+    assert set(item) == {"w", "key"} and item["key"]["impl"] == "rbg"  # as JaxRngRecord records a key
+    fresh = Noisy(jnp.zeros(3), jax.random.key(9, impl="rbg"))
+    held = trj.EqxModule(fresh)
+    held.load_record(trj.EqxModule(model).into_record(), "cpu")
+    assert same(held.model, model) and jax.random.key_impl(held.model.key) == jax.random.key_impl(model.key)
+    threefry = trj.EqxModule(Noisy(jnp.zeros(3), jax.random.key(9)))
+    with pytest.raises(RecordMismatchError, match="key: a rbg key array .* in the record, a threefry2x32"):
+        threefry.load_record(trj.EqxModule(model).into_record(), "cpu")
 
 
 def test_equinox_mismatched_shapes_are_refused_and_change_nothing():

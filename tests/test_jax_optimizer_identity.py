@@ -188,3 +188,58 @@ def test_a_schedule_closing_over_a_module_or_object_arrays_records_names_only():
     nodes = [node for _, node, _ in walk(ident)]
     assert {"module": "optax"} in nodes
     assert {"type": "ndarray", "array": "object", "shape": [2]} in nodes
+
+
+# -- flax nnx.Optimizer: the same identity, checked the same way ------------------------------
+
+
+def nnx_captured(tx, steps=3):
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    for i in range(steps):
+        opt.update(model, nnx.grad(lambda m, k=i + 1: jnp.sum(jnp.sin(m(jnp.ones((2, 4))) * k)))(model))
+    rec = TrainingRecord.capture(model, opt, None, GradientsAccumulator(), Step(steps))
+    r = NamedMpkBytesRecorder(NativePrecisionSettings())
+    return TrainingRecord.load(r, rec.save(r), "cpu", state_type=Step), opt
+
+
+def nnx_fresh(tx):
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("name", ["schedule-and-b1", "multisteps-k", "another-chain"])
+def test_an_nnx_optimizer_of_another_optax_transformation_is_refused_and_nothing_changes(name):
+    nnx = pytest.importorskip("flax.nnx")
+    recorded, live, names = REFUSED[name]
+    rec, _ = nnx_captured(recorded())
+    assert rec.optimizer.kind == "flax.nnx.Optimizer" and rec.optimizer.item["#identity"]
+    model, opt = nnx_fresh(live())
+    before, opt_before = nnx.clone(nnx.state(model)), nnx.clone(nnx.state(opt))
+    with pytest.raises(RecordMismatchError, match=names):
+        rec.restore(model, opt, None, "cpu")
+    assert leaves_equal(nnx.state(model), before) and leaves_equal(nnx.state(opt), opt_before)
+    with pytest.raises(RecordMismatchError, match="another optimizer than the live one"):
+        trj.NnxOptimizer(opt).check_record(rec.optimizer, None)
+
+
+@pytest.mark.parametrize("name", ["adamw-warmup-cosine", "multisteps", "inject"])
+def test_the_same_nnx_optimizer_rebuilt_is_accepted(name):
+    nnx = pytest.importorskip("flax.nnx")
+    rec, src = nnx_captured(BUILDERS[name]())
+    model, opt = nnx_fresh(BUILDERS[name]())
+    rec.restore(model, opt, None, "cpu")
+    assert leaves_equal(nnx.state(opt), nnx.state(src)) and int(opt.step[...]) == 3
+
+
+def test_nnx_optimizer_records_from_before_the_identity_still_load():
+    nnx = pytest.importorskip("flax.nnx")
+    recorded, live, _ = REFUSED["schedule-and-b1"]
+    rec, src = nnx_captured(recorded())
+    old = StateRecord(rec.optimizer.kind, {k: v for k, v in rec.optimizer.item.items()
+                                           if k not in ("#identity", "#state_types")})
+    _, opt = nnx_fresh(live())  # unknown then, so not refused
+    trj.NnxOptimizer(opt).load_record(old, None, "cpu")
+    assert leaves_equal(nnx.state(opt), nnx.state(src))

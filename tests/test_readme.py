@@ -64,3 +64,29 @@ def test_readme_block_runs(line, code, reason, tmp_path):
     assert done.returncode == 0, (
         f"README.md:{line}: the block exits {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
     )
+
+
+def test_the_jax_loops_bitwise_checks_catch_a_resume_without_its_pending_gradients(tmp_path):
+    """The README's JAX loops (linen, nnx, equinox) end by asserting that the resumed run is
+    bitwise the uninterrupted one: those assertions fail when the resume drops the pending
+    gradients of the window, so they can fail. One interpreter runs the three."""
+    for module in ("jax", "flax", "optax", "equinox"):
+        pytest.importorskip(module)
+    loops = [(line, code) for line, code, reason in BLOCKS
+             if reason is None and "import jax" in code and "restored.accumulator" in code]
+    assert len(loops) >= 3, f"expected the linen, nnx and equinox loops, found blocks at {[ln for ln, _ in loops]}"
+    mutated = [(line, code.replace("restored.accumulator", "GradientsAccumulator()")) for line, code in loops]
+    driver = tmp_path / "mutants.py"
+    driver.write_text(
+        "import sys\n"
+        f"blocks = {mutated!r}\n"
+        "for line, code in blocks:\n"
+        "    try:\n"
+        "        exec(compile(code, f'README.md:{line}', 'exec'), {'__name__': '__main__'})\n"
+        "    except AssertionError:\n"
+        "        continue\n"
+        "    sys.exit(f'README.md:{line}: resumed without its pending gradients, yet the check passed')\n",
+        encoding="utf-8")
+    done = subprocess.run([sys.executable, str(driver)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{done.stdout[-2000:]}{done.stderr[-4000:]}"

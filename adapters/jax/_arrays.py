@@ -1,13 +1,15 @@
 """The array leaves of a native JAX model (flax nnx, equinox) as a record, and back.
 
 Leaves are given by ParamId (`bindings.flatten`). An array leaf is recorded as a tensor;
-a typed PRNG key array (`jax.random.key`) as its key data (`jax.random.key_data`, uint32),
-with its implementation's name under `#rng_impl` (`{ParamId: "threefry2x32"}`), and
-restored with `jax.random.wrap_key_data` under that implementation. A restore checks
-every leaf first (names, shapes, dtype kinds, key implementations) and gives new leaves
-of the live dtypes, placed as the live leaves are. A live leaf may be abstract (a
+a typed PRNG key array (`jax.random.key`, nnx `RngKey` values) as the key item every
+JAX record uses (`rng.key_item`: `{"impl": NAME, "data": uint32 tensor}`, as in
+`JaxRngRecord` and `JaxModule`), restored with its implementation. Records written
+before that form was shared (nnx and equinox keys as bare key data, their
+implementations under `#rng_impl`) are read as key items. A restore checks every leaf
+first (names, shapes, dtype kinds, key implementations) and gives new leaves of the
+live dtypes, placed as the live leaves are. A live leaf may be abstract (a
 `jax.ShapeDtypeStruct`, as `nnx.eval_shape` / `eqx.filter_eval_shape` give): the new leaf
-is placed by its sharding (the default device when it has none); capturing one is a
+is placed by its sharding (the restore's device when it has none); capturing one is a
 `TypeError`.
 """
 
@@ -16,40 +18,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
 from .bindings import _BACKEND, _expected
-from .placement import (
-    abstract_error,
-    host_copy,
-    is_abstract,
-    is_array_like,
-    key_data_like,
-    key_impl_name,
-    place,
-    sharding_of,
-)
+from .placement import abstract_error, host_copy, is_abstract, is_array_like, place, sharding_of
+from .rng import is_typed_key, key_from_item, key_item, key_problems
 
-RNG_IMPL_KEY = "#rng_impl"
-
-
-def is_key(leaf: Any) -> bool:
-    """Whether `leaf` is a typed PRNG key array (`jax.random.key`, nnx `RngKey` values),
-    or an abstract one."""
-    return is_array_like(leaf) and bool(jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key))
-
-
-def _impls(leaves: dict[str, Any]) -> dict[str, str]:
-    return {k: key_impl_name(v) for k, v in leaves.items() if is_key(v)}
-
-
-def _view(leaves: dict[str, Any]) -> dict[str, Any]:
-    """The leaves as plain arrays: a key array as its key data."""
-    return {k: key_data_like(v) if is_key(v) else v for k, v in leaves.items()}
+LEGACY_RNG_IMPL_KEY = "#rng_impl"  # the earlier form: {ParamId: implementation name}
 
 
 def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
@@ -60,52 +38,86 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
     for name, leaf in leaves.items():
         if is_abstract(leaf):
             raise abstract_error(name)
-    for name, leaf in _view(leaves).items():
+    for name, leaf in leaves.items():
         try:
-            item[name] = TensorData.from_array(host_copy(leaf), copy=False)
+            item[name] = key_item(leaf, name) if is_typed_key(leaf) else \
+                TensorData.from_array(host_copy(leaf), copy=False)
         except RecorderError:
             raise  # an array spanning other processes: host_copy says what to use
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
             raise TypeError(f"leaf {name!r} ({type(leaf).__name__}) cannot be recorded: {e}; {hint}") from e
-    impls = _impls(leaves)
-    if impls:
-        item[RNG_IMPL_KEY] = dict(impls)
     return StateRecord(kind, item)
 
 
-def check(record: Any, kind: str, leaves: dict[str, Any], component: str) -> dict[str, TensorData]:
-    """The record's tensors by ParamId, once each live leaf has one of its shape and dtype
-    kind and every key its implementation; else `RecordMismatchError` listing every
-    difference. Mutates nothing."""
+def _current(item: dict[str, Item], component: str) -> dict[str, Item]:
+    """`item` with the earlier form's keys (key data and `#rng_impl`) as key items."""
+    if LEGACY_RNG_IMPL_KEY not in item:
+        return item
+    impls = item[LEGACY_RNG_IMPL_KEY]
+    if not isinstance(impls, dict) or not all(isinstance(v, str) and isinstance(item.get(k), TensorData)
+                                              for k, v in impls.items()):
+        raise RecordMismatchError("expected a map of key ParamIds to PRNG implementation names",
+                                  key=f"{component}.{LEGACY_RNG_IMPL_KEY}")
+    out = {k: v for k, v in item.items() if k != LEGACY_RNG_IMPL_KEY}
+    out.update({k: {"impl": impl, "data": out[k]} for k, impl in impls.items()})
+    return out
+
+
+def _key_problems(item: dict[str, Item], leaves: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    for name, leaf in leaves.items():
+        value = item.get(name)
+        if name not in item:
+            continue  # reported with the other missing leaves
+        if is_typed_key(leaf):
+            if isinstance(value, TensorData):
+                problems.append(f"{name}: a {value.dtype.value} tensor in the record, a "
+                                f"{jax.random.key_impl(leaf)} key array live")
+            else:
+                problems += key_problems(value, leaf, name)
+        elif isinstance(value, dict):
+            problems.append(f"{name}: a {value.get('impl')!s} key array in the record, a "
+                            f"{getattr(leaf, 'dtype', type(leaf).__name__)} array live")
+    return problems
+
+
+def check(record: Any, kind: str, leaves: dict[str, Any], component: str) -> dict[str, Item]:
+    """The record's leaves by ParamId (tensors, and key items for key leaves), once each
+    live leaf has one of its shape and dtype kind and every key its implementation;
+    else `RecordMismatchError` listing the differences. Mutates nothing."""
     item = expect_kind(record, kind, component)
     if not isinstance(item, dict):
         raise RecordMismatchError("expected a map of leaves", key=component)
-    recorded = item.get(RNG_IMPL_KEY, {})
-    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
-        raise RecordMismatchError("expected a map of PRNG implementation names",
-                                  key=f"{component}.{RNG_IMPL_KEY}")
-    live = _impls(leaves)
-    if recorded != live:
-        raise RecordMismatchError(f"PRNG key implementations differ: the record has {recorded}, "
-                                  f"the live {component} {live}", key=component)
-    tensors = {k: v for k, v in item.items() if k != RNG_IMPL_KEY}
-    return check_tensor_map(tensors, _expected(_view(leaves)), component)
+    item = _current(item, component)
+    problems = _key_problems(item, leaves)
+    if problems:
+        raise RecordMismatchError("; ".join(problems), key=component)
+    keys = [k for k, v in leaves.items() if is_typed_key(v)]
+    arrays = {k: v for k, v in item.items() if k not in keys}
+    missing_keys = [k for k in keys if k not in item]
+    if missing_keys:
+        raise RecordMismatchError(f"missing {missing_keys}", key=component)
+    tensors: dict[str, Item] = dict(check_tensor_map(arrays, _expected(leaves), component))
+    return {**tensors, **{k: item[k] for k in keys}}
 
 
-def rebuild(leaves: dict[str, Any], tensors: dict[str, TensorData], device: Any = None) -> dict[str, Any]:
-    """New leaves holding `tensors`, each with its live leaf's dtype (key implementation)
-    and placement: its sharding, a live or abstract leaf's; `device` (None: the default
-    device) for an abstract leaf without one (`check` first)."""
+def rebuild(leaves: dict[str, Any], recorded: dict[str, Item], device: Any = None) -> dict[str, Any]:
+    """New leaves holding the recorded values (`check` first), each with its live leaf's
+    dtype (key implementation) and placement: its sharding, a live or abstract leaf's;
+    `device` (None: the default device) for an abstract leaf without one."""
     out: dict[str, Any] = {}
     dev = None
     for name, leaf in leaves.items():
-        like = key_data_like(leaf) if is_key(leaf) else leaf
-        arr = np.asarray(tensors[name].array).astype(like.dtype)
+        value = recorded[name]
+        if is_typed_key(leaf):
+            out[name] = key_from_item(value, leaf, name)  # placed by the key's sharding
+            continue
+        assert isinstance(value, TensorData)
+        arr = np.asarray(value.array).astype(leaf.dtype)
         if is_array_like(leaf):
             if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
                 dev = _BACKEND.device(device)
-            value: Any = place(arr, leaf, dev)  # a key's sharding lays out its key data too
-            out[name] = jax.random.wrap_key_data(value, impl=key_impl_name(leaf)) if is_key(leaf) else value
+            out[name] = place(arr, leaf, dev)
         else:
             out[name] = np.array(arr)
     return out

@@ -410,6 +410,47 @@ def transforms_of(tx: Any) -> list[str]:
     return out
 
 
+_IDENTITY_KEYS = (TRANSFORMS_KEY, IDENTITY_KEY, STATE_TYPES_KEY)
+
+
+def reserved_by_record(leaves: dict[str, Any]) -> None:
+    """`ValueError` when an optimizer state leaf has a name the record keeps for the
+    optimizer's identity (`#transforms`, `#identity`, `#state_types`)."""
+    reserved = [k for k in _IDENTITY_KEYS if k in leaves]
+    if reserved:
+        raise ValueError(f"an optimizer state leaf is named {reserved[0]!r}, which the record reserves")
+
+
+def optimizer_identity(tx: Any, opt_state: Any) -> dict[str, Item]:
+    """What an optimizer record holds beside the state: the transforms' names
+    (`#transforms`, for conversion), the transforms with their hyperparameters
+    (`#identity`) and the optax state types per chain position (`#state_types`)."""
+    return {TRANSFORMS_KEY: list(transforms_of(tx)), IDENTITY_KEY: identity_of(tx),
+            STATE_TYPES_KEY: state_types_of(opt_state)}
+
+
+def without_identity(item: Item, tx: Any, opt_state: Any) -> Item:
+    """`item` (an optimizer record's) without the identity keys, once what they record
+    matches `tx` and `opt_state`; else `RecordMismatchError` naming every difference. A
+    key absent from the record (captured before trainrec kept it) is not checked."""
+    if not isinstance(item, dict):
+        return item
+    if TRANSFORMS_KEY in item:
+        names = item[TRANSFORMS_KEY]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
+    problems: list[str] = []
+    if IDENTITY_KEY in item:
+        problems += differences(item[IDENTITY_KEY], identity_of(tx), IDENTITY_KEY)
+    if STATE_TYPES_KEY in item:
+        problems += differences(item[STATE_TYPES_KEY], state_types_of(opt_state), STATE_TYPES_KEY)
+    if problems:
+        raise RecordMismatchError(
+            "the record is of another optimizer than the live one: " + "; ".join(problems)
+            + " (build the optimizer as the recorded run did)", key="optimizer")
+    return {k: v for k, v in item.items() if k not in _IDENTITY_KEYS}
+
+
 class JaxOptimizer:
     """An optax `GradientTransformation` and its state as an `Optimizer`. The record is
     the state pytree by key path (NamedTuple field names, chain indices), restored onto
@@ -429,35 +470,13 @@ class JaxOptimizer:
 
     def into_record(self, module: Any) -> StateRecord:
         leaves, _ = flatten(self.opt_state)
-        if TRANSFORMS_KEY in leaves:
-            raise ValueError(f"an optax state leaf is named {TRANSFORMS_KEY!r}, which the record reserves")
+        reserved_by_record(leaves)
         item: dict[str, Item] = {k: _host(v, k) for k, v in leaves.items()}
-        reserved = [k for k in (IDENTITY_KEY, STATE_TYPES_KEY) if k in leaves]
-        if reserved:
-            raise ValueError(f"an optax state leaf is named {reserved[0]!r}, which the record reserves")
-        item[TRANSFORMS_KEY] = list(transforms_of(self.tx))
-        item[IDENTITY_KEY] = identity_of(self.tx)
-        item[STATE_TYPES_KEY] = state_types_of(self.opt_state)
+        item.update(optimizer_identity(self.tx, self.opt_state))
         return StateRecord(self.kind, item)
 
     def _leaves_of(self, record: Any) -> Any:
-        item = expect_kind(record, JaxOptimizer.kind, "optimizer")
-        if isinstance(item, dict) and TRANSFORMS_KEY in item:
-            names = item[TRANSFORMS_KEY]
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
-        if isinstance(item, dict):
-            problems: list[str] = []  # each key is absent from records captured before trainrec kept it
-            if IDENTITY_KEY in item:
-                problems += differences(item[IDENTITY_KEY], identity_of(self.tx), IDENTITY_KEY)
-            if STATE_TYPES_KEY in item:
-                problems += differences(item[STATE_TYPES_KEY], state_types_of(self.opt_state), STATE_TYPES_KEY)
-            if problems:
-                raise RecordMismatchError(
-                    "the record is of another optimizer than the live one: " + "; ".join(problems)
-                    + " (build the optimizer as the recorded run did)", key="optimizer")
-            item = {k: v for k, v in item.items() if k not in (TRANSFORMS_KEY, IDENTITY_KEY, STATE_TYPES_KEY)}
-        return item
+        return without_identity(expect_kind(record, JaxOptimizer.kind, "optimizer"), self.tx, self.opt_state)
 
     def check_record(self, record: Any, module: Any) -> None:
         leaves, _ = flatten(self.opt_state)

@@ -1,4 +1,7 @@
-"""The neutral form of JAX records (flax linen variables, optax states); imports no JAX.
+"""The neutral forms of JAX records; imports no JAX. `FORM` ("jax"): flax linen variables
+in a `JaxModule` and optax states; `NNX_FORM` ("flax.nnx"): `nnx.Module` and
+`nnx.Optimizer` records, read as linen's of the same paths (`NnxForm`); `EQX_FORM`
+("equinox"): `eqx.Module` records, in torch's layouts (`EqxForm`).
 
 Parameters (flax variable names `collection.M.leaf`; `M` is the module path, where a
 `name_i` segment, flax's name for the i-th module of a list attribute, also reads `name.i`):
@@ -59,7 +62,7 @@ from trainrec.adapter_kit import (
     tensors_of,
 )
 
-__all__ = ["FORM", "JaxForm", "TRANSFORMS_KEY"]
+__all__ = ["FORM", "NNX_FORM", "EQX_FORM", "JaxForm", "NnxForm", "EqxForm", "TRANSFORMS_KEY"]
 
 TRANSFORMS_KEY = "#transforms"  # the optax transforms a JaxOptimizer record names
 # stateless transforms that may come before the algorithm's (as torch's weight decay does
@@ -171,7 +174,17 @@ class JaxForm:
     rng_markers: frozenset[str] = frozenset()
 
     def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
-        return tensors_of(model.item, f"{role}.model")
+        """The tensors, once some are flax linen parameters (`params.M.leaf`); else
+        `ConversionError` saying how to capture nnx, equinox or a plain tree."""
+        tensors = tensors_of(model.item, f"{role}.model")
+        if tensors and not any(k.startswith("params.") for k in tensors):
+            some = ", ".join(sorted(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
+            raise ConversionError(
+                f"{role}.model: a {model.kind} record converts as flax linen variables, whose parameters "
+                f"are under `params` (`params.Dense_0.kernel`); this one has none ({some}). Capture "
+                "an nnx.Module or eqx.Module itself (not nnx.state or eqx.filter of it: the flax.nnx and "
+                "equinox forms convert those), or hold a plain tree as trj.JaxModule({'params': tree})")
+        return tensors
 
     def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
         collection, _, rest = name.partition(".")
@@ -202,8 +215,21 @@ class JaxForm:
         direction they apply to)."""
         return list(PRESETS["attention"])
 
+    # a moment's parameter is this prefix and the path after `mu.`/`nu.`/`trace.` in the optax
+    # state: flax linen's optax states hold the `params` collection's tree
+    _moment_prefix = "params."
+
+    def _optax_leaves(self, item: Item, role: str) -> dict[str, Item]:
+        """The optimizer record's optax state leaves, keyed as `JaxOptimizer` records them,
+        with its `#` keys."""
+        return as_map(item, f"{role}.optimizer")
+
+    def _optax_item(self, leaves: dict[str, Item], template: dict[str, Item], state: TargetState) -> Item:
+        """The optimizer item of `leaves` (`_optax_leaves`' form, converted), for the template."""
+        return leaves
+
     def read_optimizer(self, record: TrainingRecord[Any], role: str, force: bool) -> NeutralOptimizer:
-        leaves = as_map(record.optimizer.item, f"{role}.optimizer")
+        leaves = self._optax_leaves(record.optimizer.item, role)
         algo = _jax_algo(leaves, role, force)
         moments: dict[str, dict[str, TensorData]] = {}
         if algo:
@@ -211,7 +237,7 @@ class JaxForm:
             for key, t in leaves.items():
                 for marker, which in _MARKERS:
                     if which in wanted and marker in f".{key}" and isinstance(t, TensorData):
-                        moments.setdefault("params." + key.split(marker[1:], 1)[1], {})[which] = t
+                        moments.setdefault(self._moment_prefix + key.split(marker[1:], 1)[1], {})[which] = t
         counts = [k for k in leaves if k.endswith("count")]
         mu_prefix = next((k.split(".mu.")[0] for k in leaves if ".mu." in f".{k}"), None)
         count_key = f"{mu_prefix}.count" if mu_prefix is not None and f"{mu_prefix}.count" in leaves else (
@@ -233,7 +259,7 @@ class JaxForm:
         sched = record.scheduler
         out = []
         if role == "template" or sched is None:
-            leaves = as_map(record.optimizer.item, f"{role}.optimizer")
+            leaves = self._optax_leaves(record.optimizer.item, role)
             for key in sorted(_counts(leaves)[1]):
                 where = f"{role}.optimizer.{key}"
                 out.append(ScheduleCount(where, as_count(leaves[key], where), True))
@@ -252,7 +278,7 @@ class JaxForm:
         return {k: params.get(k, v) for k, v in as_map(template.item, "template.model").items()}
 
     def write_state(self, template: TrainingRecord[Any], state: TargetState) -> tuple[Item, StateRecord | None]:
-        leaves = as_map(template.optimizer.item, "template.optimizer")
+        leaves = self._optax_leaves(template.optimizer.item, "template")
         updates, _ = _counts(leaves)
         rate = None
         if _injected_rate(leaves, "template") is not None:
@@ -265,7 +291,7 @@ class JaxForm:
             dotted = f".{key}"
             for marker, which in _MARKERS:
                 if marker in dotted:
-                    param = "params." + key.split(marker[1:], 1)[1]
+                    param = self._moment_prefix + key.split(marker[1:], 1)[1]
                     got = state.moment(param, which, like if isinstance(like, TensorData) else None,
                                        f"optimizer.{key}")
                     out[key] = like if got is None else got
@@ -285,7 +311,81 @@ class JaxForm:
             if "count" in item:
                 item["count"] = state.position
             scheduler = StateRecord(scheduler.kind, item)
-        return out, scheduler
+        return self._optax_item(out, as_map(template.optimizer.item, "template.optimizer"), state), scheduler
+
+
+_OPT_STATE = "opt_state."  # an nnx.Optimizer record: `step`, and the optax state under `opt_state`
+
+
+class NnxForm(JaxForm):
+    """flax nnx records: an `nnx.Module` (`NnxModule`: every variable by its path,
+    `linear.kernel`) and an `nnx.Optimizer` (`NnxOptimizer`: `step`, and the optax state
+    under `opt_state`). Parameters read as flax linen's of the same path: `kernel`,
+    `bias`, `scale`, `embedding` as `params.PATH.LEAF`, BatchNorm's `mean` and `var` as its
+    `batch_stats`; the `count` of an `Rngs` stream is a `counter` (the template's is
+    kept), as is its key (not a tensor: never converted)."""
+
+    name = "flax.nnx"
+    kinds = ("flax.nnx",)
+    _moment_prefix = ""  # nnx.Optimizer's optax state holds the Params by their own paths
+
+    def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
+        return tensors_of(model.item, f"{role}.model")
+
+    def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
+        parts = name.split(".")
+        if "rngs" in parts[:-1] and parts[-1] == "count":
+            return [Neutral(".".join(parts[:-1]), "counter")]
+        collection = "batch_stats" if parts[-1] in ("mean", "var") else "params"
+        return super().candidates(f"{collection}.{name}", shape)
+
+    def _optax_leaves(self, item: Item, role: str) -> dict[str, Item]:
+        leaves = as_map(item, f"{role}.optimizer")
+        if "step" not in leaves:
+            raise ConversionError(f"{role}.optimizer: an nnx.Optimizer record holds `step`; this one does not")
+        return {k[len(_OPT_STATE):] if k.startswith(_OPT_STATE) else k: v for k, v in leaves.items()
+                if k != "step"}
+
+    def _optax_item(self, leaves: dict[str, Item], template: dict[str, Item], state: TargetState) -> Item:
+        like = template["step"]
+        step: Item = TensorData.from_array(np.asarray(state.step, like.dtype.numpy)) \
+            if isinstance(like, TensorData) else state.step
+        return {"step": step, **{k if k.startswith("#") else _OPT_STATE + k: v for k, v in leaves.items()}}
+
+
+class EqxForm(JaxForm):
+    """equinox records: an `eqx.Module` (`EqxModule`: its arrays by path,
+    `layers.0.weight`) under an optax `JaxOptimizer` whose state holds the same paths.
+    equinox keeps torch's layouts: a 2-D `weight` is a dense kernel `[out, in]` (or an
+    embedding), a 3-5-D one a conv kernel `(out, in, *spatial)`, a 1-D one a norm's scale;
+    a `bias` of shape `(out, 1, ...)` (`eqx.nn.Conv`) reads as `[out]`."""
+
+    name = "equinox"
+    kinds = ("equinox",)
+    _moment_prefix = ""
+
+    def parameters(self, model: StateRecord, role: str) -> dict[str, TensorData]:
+        return tensors_of(model.item, f"{role}.model")
+
+    def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
+        path, _, leaf = name.rpartition(".")
+        rank = len(shape)
+        if leaf == "weight":
+            if rank == 1:
+                return [Neutral(path, "norm.scale")]
+            if rank == 2:
+                return [Neutral(path, "dense.kernel", (1, 0)), Neutral(path, "embedding")]
+            if 3 <= rank <= 5:
+                return [Neutral(path, "conv.kernel", (*range(2, rank), 1, 0))]
+            return []
+        if leaf == "bias":
+            return [Neutral(path, "bias", shape=(int(np.prod(shape)),) if rank > 1 else None)]
+        return []
+
+    def preset_rules(self, source: str, target: str) -> list[Rule]:
+        return []
 
 
 FORM = JaxForm()
+NNX_FORM = NnxForm()
+EQX_FORM = EqxForm()

@@ -8,7 +8,7 @@ optimizer, ...)` takes the nnx objects themselves).
 ParamIds are the key paths of `nnx.state(model)` (`block.linear.kernel`). `nnx.Param`
 variables are trainable; every other variable (`BatchStat`, `RngCount`, the `RngKey`s
 of `nnx.Rngs` held by the module, user variables) is recorded and restored but receives
-no gradients. Key arrays are recorded as their key data and implementation (`_arrays`).
+no gradients. Key arrays are recorded as `JaxRngRecord` records a key (`_arrays`).
 A module from `nnx.eval_shape` (abstract: `jax.ShapeDtypeStruct` values) is a restore
 target: the restore writes concrete arrays into it, placed by each value's sharding.
 """
@@ -20,12 +20,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from trainrec import RecordMismatchError, StateRecord
+from trainrec import StateRecord
 from trainrec.adapter_kit import Item, expect_kind
 
 from . import _arrays
-from .bindings import JaxModule, flatten, transforms_of
-from .neutral import TRANSFORMS_KEY
+from .bindings import JaxModule, flatten, optimizer_identity, without_identity
 
 __all__ = ["NnxModule", "NnxOptimizer"]
 
@@ -103,8 +102,11 @@ class NnxModule(JaxModule):
 
 class NnxOptimizer:
     """A flax `nnx.Optimizer` as an `Optimizer`: its `step` and `opt_state` are recorded
-    by key path (`opt_state.0.mu.linear.kernel`), with the optax transforms' names under
-    `#transforms` as `JaxOptimizer` records them, and restored into the live object."""
+    by key path (`opt_state.0.mu.linear.kernel`) and restored into the live object. As
+    `JaxOptimizer` does, the record also names the optimizer: `#transforms`, `#identity`
+    (the optax transforms with their hyperparameters) and `#state_types`; a restore into
+    an `nnx.Optimizer` of another transformation or other hyperparameters is refused,
+    naming each difference."""
 
     kind = "flax.nnx.Optimizer"
 
@@ -124,25 +126,18 @@ class NnxOptimizer:
         _revert(self.optimizer, snapshot)
 
     def into_record(self, module: Any) -> StateRecord:
-        leaves, _ = _state(self.optimizer)
-        if TRANSFORMS_KEY in leaves or _arrays.RNG_IMPL_KEY in leaves:
-            raise ValueError("an nnx.Optimizer state leaf has a name the record reserves")
-        record = _arrays.capture(self.kind, leaves, _HINT)
+        # every leaf is under `step` or `opt_state.`: none is named like the identity keys
+        record = _arrays.capture(self.kind, _state(self.optimizer)[0], _HINT)
         item: dict[str, Item] = dict(record.item) if isinstance(record.item, dict) else {}
-        item[TRANSFORMS_KEY] = list(transforms_of(self.optimizer.tx))
+        item.update(optimizer_identity(self.optimizer.tx, self.optimizer.opt_state))
         return StateRecord(self.kind, item)
 
-    def _without_transforms(self, record: Any) -> StateRecord:
+    def _state_record(self, record: Any) -> StateRecord:
         item = expect_kind(record, self.kind, "optimizer")
-        if isinstance(item, dict) and TRANSFORMS_KEY in item:
-            names = item[TRANSFORMS_KEY]
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
-            item = {k: v for k, v in item.items() if k != TRANSFORMS_KEY}
-        return StateRecord(self.kind, item)
+        return StateRecord(self.kind, without_identity(item, self.optimizer.tx, self.optimizer.opt_state))
 
     def check_record(self, record: Any, module: Any) -> None:
-        _arrays.check(self._without_transforms(record), self.kind, _state(self.optimizer)[0], "optimizer")
+        _arrays.check(self._state_record(record), self.kind, _state(self.optimizer)[0], "optimizer")
 
     def load_record(self, record: Any, module: Any, device: Any) -> None:
-        _write(self.optimizer, self._without_transforms(record), self.kind, "optimizer", device)
+        _write(self.optimizer, self._state_record(record), self.kind, "optimizer", device)
