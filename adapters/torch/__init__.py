@@ -5,6 +5,8 @@ Pass your native `nn.Module`, `torch.optim.Optimizer` and scheduler to
 `grads_from(model)` / `set_grads(model, grads)` move gradients between `.grad` and
 `GradientsParams`; `TorchRngRecord` adds torch's generators to `RngRecord`;
 `TorchFileRecorder` writes `.pt` files that `torch.load(weights_only=True)` reads.
+Models wrapped by `torch.compile`, DDP or DataParallel are recorded under the plain
+model's ParamIds (`unwrap(model)` is the model inside).
 
 Importing this package imports no torch: each name is loaded on first use (so
 `trainrec.adapters.torch.neutral`, the conversion form, works without torch installed).
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from .grads import grads_from, set_grads
     from .recorder import BF16PrecisionSettings, TorchFileRecorder, TorchPrecisionSettings
     from .rng import TorchRngRecord
+    from .wrappers import unwrap
 
 __all__ = [
     "ADAPTER",
@@ -35,6 +38,7 @@ __all__ = [
     "TorchRngRecord",
     "grads_from",
     "set_grads",
+    "unwrap",
 ]
 
 _HOME = {
@@ -42,6 +46,7 @@ _HOME = {
     "TorchModule": "bindings", "TorchOptimizer": "bindings", "TorchBackend": "backend",
     "grads_from": "grads", "set_grads": "grads", "BF16PrecisionSettings": "recorder",
     "TorchFileRecorder": "recorder", "TorchPrecisionSettings": "recorder", "TorchRngRecord": "rng",
+    "unwrap": "wrappers",
 }
 
 
