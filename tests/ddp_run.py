@@ -18,6 +18,9 @@ MODE:
   through writing its part; rank 0 writes the error it got to OUT/kill-error.txt and exits.
 - `resume:S`: restore OUT/ckpt/step-S into fresh objects, train to STEPS, write
   OUT/resumed-S-RANK.mpk.
+
+With DDP_RUN_DEVICE=cuda the ranks run NCCL, one GPU each (the `cuda` test); a world of
+one rank has nobody to kill, so its last save just commits.
 """
 
 from __future__ import annotations
@@ -62,11 +65,19 @@ class DyingRecorder(NamedMpkFileRecorder):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+DEVICE = os.environ.get("DDP_RUN_DEVICE", "cpu")
+
+
+def device(rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}" if DEVICE == "cuda" else "cpu")
+
+
 def build(rank: int):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
-                        nn.Linear(16, 2))
-    model = DistributedDataParallel(net, forward_sync_buffers=False)
+                        nn.Linear(16, 2)).to(device(rank))
+    ids = [rank] if DEVICE == "cuda" else None
+    model = DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     torch.manual_seed(1000 + rank)  # each rank its own batches and dropout masks
@@ -81,7 +92,7 @@ def train(model, opt, sched, acc, state, until, on_step=None):
         through_acc = window % 2 == 1
         if last and through_acc:
             trt.set_grads(model, acc.grads())  # the window's sum; this backward adds to it
-        x = torch.randn(8, 4)
+        x = torch.randn(8, 4, device=next(model.parameters()).device)
         with contextlib.nullcontext() if last else model.no_sync():
             loss = nn.functional.mse_loss(model(x), x[:, :2].sin()) / WINDOW
             loss.backward()
@@ -103,8 +114,10 @@ def capture(model, opt, sched, acc, state):
 
 def main() -> None:
     mode, rank, world, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     native = NamedMpkFileRecorder(NativePrecisionSettings())
     ckpt = out / "ckpt"
     model, opt, sched, acc, state = build(rank)
@@ -116,6 +129,9 @@ def main() -> None:
         train(model, opt, sched, acc, state, STEPS, on_step=save)
         final = capture(model, opt, sched, acc, state)
         final.save(native, out / f"final-{rank}.mpk")
+        if world == 1:
+            final.save(trt.DistributedRecorder(), ckpt / f"step-{STEPS:08d}")
+            return
         dying = trt.DistributedRecorder(DyingRecorder() if rank == 1 else None)
         try:
             final.save(dying, ckpt / f"step-{STEPS:08d}")
@@ -124,9 +140,9 @@ def main() -> None:
         os._exit(0)  # the group lost a rank: no orderly shutdown
     elif mode.startswith("resume:"):
         step = int(mode.split(":")[1])
-        record = TrainingRecord.load(trt.DistributedRecorder(), ckpt / f"step-{step:08d}", "cpu",
-                                     state_type=State)
-        r = record.restore(model, opt, sched, "cpu")
+        record = TrainingRecord.load(trt.DistributedRecorder(), ckpt / f"step-{step:08d}",
+                                     device(rank), state_type=State)
+        r = record.restore(model, opt, sched, device(rank))
         acc, state = r.accumulator, r.state
         state.rng.apply()
         train(model, opt, sched, acc, state, STEPS)

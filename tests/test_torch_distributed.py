@@ -41,15 +41,15 @@ PHASE_TIMEOUT_S = 120
 A, B, STEPS = 4, 8, 12  # as in ddp_run.py
 
 
-def _phase(out: Path, modes: list[str]) -> None:
+def _phase(out: Path, modes: list[str], world: int = 2, device: str = "cpu") -> None:
     procs = []
     for mode in modes:
         store = out / f"store-{mode.replace(':', '-')}"
-        for rank in range(2):
+        for rank in range(world):
             procs.append((mode, rank, subprocess.Popen(
-                [sys.executable, str(RUN), mode, str(rank), "2", str(store), str(out)],
+                [sys.executable, str(RUN), mode, str(rank), str(world), str(store), str(out)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"})))
+                env={**os.environ, "OMP_NUM_THREADS": "1", "DDP_RUN_DEVICE": device})))
     failures = []
     for mode, rank, p in procs:
         try:
@@ -58,7 +58,7 @@ def _phase(out: Path, modes: list[str]) -> None:
             for *_, q in procs:
                 q.kill()
             pytest.fail(f"the 2-rank run {mode!r} did not finish in {PHASE_TIMEOUT_S} s")
-        killed = mode == "checkpoint" and rank == 1
+        killed = mode == "checkpoint" and rank == 1 and world > 1
         if p.returncode != (-9 if killed else 0):
             failures.append(f"{mode} rank {rank} exited {p.returncode}:\n{text[-3000:]}")
     assert not failures, "\n".join(failures)
@@ -129,6 +129,23 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(run
     # the previous checkpoint loads on each rank (and the resume from it was bitwise, above)
     for rank in range(2):
         TrainingRecord.load(trt.DistributedRecorder(), ckpt / f"step-{B:08d}", rank=rank)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_ranks_on_gpus_resume_bitwise_from_mid_window(tmp_path):
+    """The same runs on NCCL, one GPU per rank (two, or one where there is one): pending
+    gradients live on the GPU, the CUDA RNG is each rank's."""
+    world = min(2, torch.cuda.device_count())
+    (tmp_path / "ckpt").mkdir()
+    _phase(tmp_path, ["checkpoint"], world, "cuda")
+    _phase(tmp_path, [f"resume:{A}", f"resume:{B}"], world, "cuda")
+    for step in (A, B):
+        for rank in range(world):
+            assert same(_item(tmp_path / f"final-{rank}.mpk"),
+                        _item(tmp_path / f"resumed-{step}-{rank}.mpk")), (step, rank)
+    part = TrainingRecord.load(trt.DistributedRecorder(), tmp_path / "ckpt" / f"step-{B:08d}", rank=0)
+    assert part.model.item["grads"], "the GPU's pending .grad was recorded"
 
 
 # -- one rank, in this process ---------------------------------------------------------------
