@@ -135,15 +135,31 @@ class DistributedRecorder(RecorderBase):
         path = path_arg(args)
         rank, world = _rank_world(self.group)
         commit = _Commit(path, rank, world, self.group)
-        early: Exception | None = None
+        early: Exception | None = None  # raised after the ranks met: they must hear of it
         replicated: dict[str, Item] | None = None
         ours: Any = None
         try:
             replicated, local = _split(item, record_type)
-            # with one rank there is nobody to differ from
-            ours = _digests(replicated) if replicated is not None and world > 1 else None
-        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it first
+        except Exception as e:  # noqa: BLE001
             early = e
+        if rank == 0:
+            commit.prepare()  # the temp directory; an error is told to every rank in `begin`
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # with one rank there is nobody to differ from; rank 0 hashes while it writes
+            # the replicated part, the biggest write, so the digests cost it next to nothing
+            digests = (pool.submit(_digests, replicated)
+                       if replicated is not None and world > 1 else None)
+            if rank == 0 and commit.token and replicated is not None and early is None:
+                try:
+                    rep: dict[str, Item] = {**replicated, "save_id": commit.token}
+                    self.recorder.save_item(rep, commit.temp / f"replicated{self._suffix}",
+                                            _REPLICATED, allow_lossy=allow_lossy)
+                except Exception as e:  # noqa: BLE001
+                    early = e
+            try:
+                ours = None if digests is None else digests.result()
+            except Exception as e:  # noqa: BLE001
+                early = early or e
         theirs = commit.begin(ours)  # rank 0's digests, on every rank
         overrides = 0
         try:
@@ -155,10 +171,6 @@ class DistributedRecorder(RecorderBase):
             local.update(rank=rank, world_size=world, save_id=commit.token)
             self.recorder.save_item(local, commit.temp / _part_name(rank, world, self._suffix),
                                     _PART, allow_lossy=allow_lossy)
-            if rank == 0 and replicated is not None:
-                rep: dict[str, Item] = {**replicated, "save_id": commit.token}
-                self.recorder.save_item(rep, commit.temp / f"replicated{self._suffix}",
-                                        _REPLICATED, allow_lossy=allow_lossy)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
             commit.fail(e)
         else:
@@ -325,18 +337,24 @@ class _Commit:
         self._error: Exception | None = None
         self._outcome: tuple[str, Any] = ("ok", 0)
 
+    def prepare(self) -> None:
+        """Rank 0: make the temp directory (`token`, `temp`); what fails is kept for `begin`."""
+        try:
+            self._make_temp()
+        except (RecorderError, OSError) as e:
+            self._error = e
+
     def begin(self, payload: Any) -> Any:
-        """Rank 0 makes the temp directory; every rank learns its name and gets rank 0's
-        `payload`. Raises on every rank what kept rank 0 from starting."""
+        """Every rank learns the temp directory's name and gets rank 0's `payload`. Raises on
+        every rank what kept rank 0 from starting (after `prepare`)."""
         message: list[Any] = [None]
         if self.rank == 0:
-            try:
-                self._make_temp()
+            if self.token:
                 message = [("ok", self.token, payload)]
-            except (RecorderError, OSError) as e:
-                message = [("error", f"{type(e).__name__}: {e}", None)]
-                self._error = e
-        _collective(lambda: _broadcast(message, self.group), self.path, "starting the save")
+            else:
+                message = [("error", f"{type(self._error).__name__}: {self._error}", None)]
+        _collective(lambda: _broadcast(message, self.group), self.path, "starting the save",
+                    self._abandon)
         status, value, payload = message[0]
         if status != "ok":
             if self._error is not None:
@@ -357,12 +375,8 @@ class _Commit:
         """Meet every rank; rank 0 commits when all parts are durable. Raises on every rank
         when any rank failed (on that rank, its own error)."""
         outcomes: list[Any] = [None] * self.world
-        try:
-            _collective(lambda: _all_gather(outcomes, self._outcome, self.group), self.path,
-                        "waiting for every rank's part")
-        except RecorderError:
-            self._abandon()
-            raise
+        _collective(lambda: _all_gather(outcomes, self._outcome, self.group), self.path,
+                    "waiting for every rank's part", self._abandon)
         failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
         result: list[Any] = [("ok", "")]
         if self.rank == 0:
@@ -376,7 +390,9 @@ class _Commit:
             if failed or result[0][0] != "ok":
                 self._abandon()
         if not failed:
-            _collective(lambda: _broadcast(result, self.group), self.path, "committing")
+            _collective(lambda: _broadcast(result, self.group), self.path, "confirming the commit",
+                        lambda: None, "rank 0 may have committed it: the checkpoint is complete "
+                        "exactly when its directory exists")
         if self._error is not None:
             raise self._error
         if failed:
@@ -496,14 +512,20 @@ def _all_gather(out: list[Any], value: Any, group: Any) -> None:
         out[0] = value
 
 
-def _collective(call: Any, path: Path, what: str) -> None:
+_NOT_COMMITTED = "nothing was committed, and earlier checkpoints are untouched"
+
+
+def _collective(call: Any, path: Path, what: str, abandon: Any,
+                outcome: str = _NOT_COMMITTED) -> None:
+    """Run a collective; when it fails (a peer died, a timeout), `abandon` the save and
+    raise `RecorderError` saying `outcome`."""
     try:
         call()
     except RuntimeError as e:  # gloo and NCCL errors (DistBackendError too) are RuntimeErrors
+        abandon()
         raise RecorderError(
             f"the ranks could not meet while {what} (a rank died, or the process group timed "
-            f"out: {e}); nothing was committed, and earlier checkpoints are untouched",
-            source=str(path)) from e
+            f"out: {e}); {outcome}", source=str(path)) from e
 
 
 # -- reading -------------------------------------------------------------------------------
