@@ -116,8 +116,10 @@ def test_a_different_world_size_is_refused(runs):
     assert not dist.is_initialized()  # this process is a world of one rank
     with pytest.raises(RecordMismatchError, match=r"saved by 2 rank\(s\), this run has 1.*resume with 2"):
         TrainingRecord.load(trt.DistributedRecorder(), runs / "ckpt" / f"step-{A:08d}")
-    with pytest.raises(RecordMismatchError, match=r"rank must be an int in \[0, 2\)"):
+    with pytest.raises(RecordMismatchError, match=r"rank must be in \[0, 2\).*got 2"):
         TrainingRecord.load(trt.DistributedRecorder(), runs / "ckpt" / f"step-{A:08d}", rank=2)
+    with pytest.raises(TypeError, match="rank must be an int, got bool"):
+        TrainingRecord.load(trt.DistributedRecorder(), runs / "ckpt" / f"step-{A:08d}", rank=True)
 
 
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(runs):

@@ -94,8 +94,9 @@ class DistributedRecorder(RecorderBase):
     recorder's. `group` is the process group whose ranks save together (default: the
     world; without an initialized process group the run is one rank).
 
-    Every rank calls `save` / `record` (collective: the ranks meet twice; a rank that
-    never arrives fails the others at the process group's timeout) and `load` / `read`
+    Every rank calls `save` / `record` (collective: the ranks meet three times; a rank
+    that never arrives fails the others at once when its process is gone, else at the
+    process group's timeout) and `load` / `read`
     (not collective). Loading refuses a checkpoint of another world size.
 
     Example::
@@ -190,7 +191,8 @@ class DistributedRecorder(RecorderBase):
         """Header and item of this rank's view of the checkpoint `args` (the record it
         saved, whole). `rank=r` reads rank r's view in any process, without checking the
         world size. Raises `FileMissingError` when there is no committed checkpoint,
-        `RecordMismatchError` for another world size (or rank out of range), and
+        `RecordMismatchError` for another world size (or rank out of range; `TypeError`
+        for a rank that is not an int), and
         `CorruptRecordError` for a damaged or mixed-up directory."""
         path = path_arg(args)
         manifest = _read_manifest(path)
@@ -205,9 +207,11 @@ class DistributedRecorder(RecorderBase):
                     "rank(s) (e.g. torchrun --nproc-per-node "
                     f"{world}), or read one rank's view with read(path, rank=r)",
                     source=str(path))
-        elif isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-            raise RecordMismatchError(f"rank must be an int in [0, {world}), got {rank!r}",
-                                      source=str(path))
+        elif isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        elif not 0 <= rank < world:
+            raise RecordMismatchError(f"rank must be in [0, {world}): the checkpoint has "
+                                      f"{world} rank(s), got {rank}", source=str(path))
         header, local = _read_part(path / manifest["parts"][rank], _PART, mmap)
         _expect_part(local, {"rank": rank, "world_size": world, "save_id": manifest["save_id"]},
                      path / manifest["parts"][rank])
