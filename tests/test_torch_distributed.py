@@ -224,6 +224,19 @@ def test_a_failed_part_commits_nothing_and_leaves_no_temp_directory(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_commit_that_fails_leaves_neither_the_checkpoint_nor_its_temp_directory(tmp_path, monkeypatch):
+    from trainrec.adapters.torch import distributed
+
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    record = TrainingRecord.capture(*_training())
+    monkeypatch.setattr(distributed.os, "rename", refuse)
+    with pytest.raises(RecorderError, match="rank 0 could not commit: PermissionError.*nothing was committed"):
+        record.save(trt.DistributedRecorder(), tmp_path / "step-1")
+    assert os.listdir(tmp_path) == []
+
+
 def test_misuse_is_refused():
     with pytest.raises(TypeError, match="file recorder"):
         trt.DistributedRecorder(trainrec.NamedMpkBytesRecorder())

@@ -383,14 +383,16 @@ class _Commit:
                     "waiting for every rank's part", self._abandon)
         failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
         result: list[Any] = [("ok", "")]
+        cause: Exception | None = None
         if self.rank == 0:
             if not failed:
                 try:
                     manifest["overrides"] = [o[1] for o in outcomes]
                     self._commit(manifest)
-                except (RecorderError, OSError) as e:
-                    result = [("error", f"rank 0 could not commit: {type(e).__name__}: {e}")]
-                    self._error = self._error or e
+                except Exception as e:  # noqa: BLE001 - the other ranks wait for the word
+                    result = [("error", f"rank 0 could not commit: {type(e).__name__}: {e}; "
+                                        f"{_NOT_COMMITTED}")]
+                    cause = e
             if failed or result[0][0] != "ok":
                 self._abandon()
         if not failed:
@@ -404,7 +406,7 @@ class _Commit:
             raise RecorderError(f"not committed, since a rank failed to write its part ({shown})",
                                 source=str(self.path))
         if result[0][0] != "ok":
-            raise RecorderError(result[0][1], source=str(self.path))
+            raise RecorderError(result[0][1], source=str(self.path)) from cause
 
     def _make_temp(self) -> None:
         parent = self.path.parent if str(self.path.parent) else Path(".")
@@ -423,10 +425,14 @@ class _Commit:
                 temp.mkdir()
             except FileExistsError:
                 continue
-            self.token, self.temp = token, temp
-            self._lock = os.open(temp / _LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                lock = os.open(temp / _LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError:
+                shutil.rmtree(temp, ignore_errors=True)
+                raise
             if sys.platform != "win32":
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else holds it
+            self.token, self.temp, self._lock = token, temp, lock  # started: `begin` says so
             return
         raise RecorderError("no free temporary directory name after 100 tries",
                             source=str(self.path))
