@@ -5,6 +5,9 @@ Pass your native `nn.Module`, `torch.optim.Optimizer` and scheduler to
 `grads_from(model)` / `set_grads(model, grads)` move gradients between `.grad` and
 `GradientsParams`; `TorchRngRecord` adds torch's generators to `RngRecord`;
 `TorchFileRecorder` writes `.pt` files that `torch.load(weights_only=True)` reads.
+Models wrapped by `torch.compile`, DDP or DataParallel are recorded under the plain
+model's ParamIds (`unwrap(model)` is the model inside); `DistributedRecorder` saves a
+DDP run's checkpoint, every rank's pending gradients and state included, as one commit.
 
 Importing this package imports no torch: each name is loaded on first use (so
 `trainrec.adapters.torch.neutral`, the conversion form, works without torch installed).
@@ -18,13 +21,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .backend import TorchBackend
     from .bindings import ADAPTER, TorchAdapter, TorchLrScheduler, TorchModule, TorchOptimizer
+    from .distributed import DistributedRecorder
     from .grads import grads_from, set_grads
     from .recorder import BF16PrecisionSettings, TorchFileRecorder, TorchPrecisionSettings
     from .rng import TorchRngRecord
+    from .wrappers import unwrap
 
 __all__ = [
     "ADAPTER",
     "BF16PrecisionSettings",
+    "DistributedRecorder",
     "TorchAdapter",
     "TorchBackend",
     "TorchFileRecorder",
@@ -35,6 +41,7 @@ __all__ = [
     "TorchRngRecord",
     "grads_from",
     "set_grads",
+    "unwrap",
 ]
 
 _HOME = {
@@ -42,6 +49,7 @@ _HOME = {
     "TorchModule": "bindings", "TorchOptimizer": "bindings", "TorchBackend": "backend",
     "grads_from": "grads", "set_grads": "grads", "BF16PrecisionSettings": "recorder",
     "TorchFileRecorder": "recorder", "TorchPrecisionSettings": "recorder", "TorchRngRecord": "rng",
+    "unwrap": "wrappers", "DistributedRecorder": "distributed",
 }
 
 

@@ -1,6 +1,7 @@
 """Bindings of native torch objects to trainrec's protocols, and the adapter that finds them.
 
-- `TorchModule(nn.Module)`: ParamIds from `named_parameters()`; the record is the whole
+- `TorchModule(nn.Module)`: ParamIds from `named_parameters()` of the model inside any
+  `torch.compile` / DDP / DataParallel wrappers (`wrappers.py`); the record is the whole
   `state_dict` (persistent buffers too), tied tensors stored once, plus every parameter's
   `.grad` that is not None (gradients accumulated natively with repeated `backward()`
   are pending gradients too); restore copies in place under `no_grad`, so optimizers
@@ -24,6 +25,7 @@ from trainrec import RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, join_key, kind_mismatches
 
 from .backend import TorchBackend, from_torch_dtype, numpy_to_tensor
+from .wrappers import named_parameters, named_state, refuse_dtensors
 
 __all__ = ["TorchModule", "TorchOptimizer", "TorchLrScheduler", "TorchAdapter", "ADAPTER",
            "encode", "decode"]
@@ -94,19 +96,20 @@ class TorchModule:
         return _BACKEND
 
     def param_ids(self) -> list[str]:
-        return [name for name, _ in self.module.named_parameters()]
+        return [name for name, _ in named_parameters(self.module)]
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(p.shape) for name, p in self.module.named_parameters()}
+        return {name: tuple(p.shape) for name, p in named_parameters(self.module)}
 
     def _live(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """Unique state tensors by name, and aliases (tied names) -> the name kept."""
+        """Unique state tensors by name, and aliases (tied names) -> the name kept.
+        `RecorderError` for sharded (DTensor) state."""
         unique: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         seen: dict[int, str] = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state_dict entry {name!r} is {type(t).__name__}, not a tensor")
+        state = named_state(self.module)
+        refuse_dtensors(state, "state tensor")
+        for name, t in state:
             if id(t) in seen:
                 aliases[name] = seen[id(t)]
             else:
@@ -120,9 +123,11 @@ class TorchModule:
             k: TensorData.from_array(_BACKEND.to_host(v), copy=False) for k, v in unique.items()
         }
         aliases_item: dict[str, Item] = dict(aliases)
+        params = named_parameters(self.module)
+        refuse_dtensors([(n, p.grad) for n, p in params], "the gradient of")
         grads: dict[str, Item] = {
             name: TensorData.from_array(_BACKEND.to_host(p.grad), copy=False)
-            for name, p in self.module.named_parameters()
+            for name, p in params
             if p.grad is not None
         }
         return StateRecord(self.kind, {"tensors": tensors, "aliases": aliases_item, "grads": grads})
@@ -141,7 +146,7 @@ class TorchModule:
                 f"tied parameters differ: record {item['aliases']!r}, live {aliases}", key="model.aliases"
             )
         expected = {k: (tuple(v.shape), from_torch_dtype(v.dtype)) for k, v in unique.items()}
-        params = {k: (tuple(p.shape), from_torch_dtype(p.dtype)) for k, p in self.module.named_parameters()}
+        params = {k: (tuple(p.shape), from_torch_dtype(p.dtype)) for k, p in named_parameters(self.module)}
         return (
             unique,
             check_tensor_map(item["tensors"], expected, "model"),
@@ -154,7 +159,7 @@ class TorchModule:
     def load_record(self, record: Any, device: Any) -> None:
         live, tensors, grads = self._checked(record)
         staged = {k: numpy_to_tensor(t.array).to(live[k].dtype) for k, t in tensors.items()}
-        params = dict(self.module.named_parameters())
+        params = dict(named_parameters(self.module))
         staged_grads = {
             k: numpy_to_tensor(t.array).to(device=params[k].device, dtype=params[k].dtype)
             for k, t in grads.items()
@@ -188,7 +193,7 @@ class TorchOptimizer:
 
     def _ids(self, module: Any) -> list[list[str]]:
         """ParamIds of every param group, in the optimizer's own order."""
-        names = {id(p): n for n, p in _torch_module(module).named_parameters()}
+        names = {id(p): n for n, p in named_parameters(_torch_module(module))}
         groups = []
         for gi, group in enumerate(self.optimizer.param_groups):
             ids = []
@@ -244,7 +249,7 @@ class TorchOptimizer:
                     "; ".join(problems), key=f"optimizer.param_groups.{gi}")
         if not isinstance(state, dict):
             raise RecordMismatchError("optimizer state must be a map", key="optimizer.state")
-        params = dict(_torch_module(module).named_parameters())
+        params = dict(named_parameters(_torch_module(module)))
         group_of = {str(pid): g for g in groups  # each a dict with a params list: checked above
                     for pid in cast(dict[str, list[Item]], g)["params"]}
         expected_keys = _STATE_KEYS.get(type(self.optimizer))

@@ -9,14 +9,20 @@ from torch import nn
 
 from trainrec import GradientsParams
 
+from .wrappers import named_parameters, refuse_dtensors
+
 __all__ = ["grads_from", "set_grads"]
 
 
 def grads_from(model: nn.Module) -> GradientsParams:
-    """Take each parameter's `.grad` into a `GradientsParams` (by ParamId) and set `.grad`
-    to None, so the next backward starts from zero."""
+    """Take each parameter's `.grad` into a `GradientsParams` (by ParamId: the names of the
+    model inside any `torch.compile` / DDP / DataParallel wrappers) and set `.grad` to None,
+    so the next backward starts from zero. `RecorderError` for sharded (DTensor)
+    gradients, before any `.grad` is taken."""
     grads = GradientsParams()
-    for name, p in model.named_parameters():
+    params = named_parameters(model)
+    refuse_dtensors([(n, p.grad) for n, p in params], "the gradient of")
+    for name, p in params:
         if p.grad is not None:
             grads.register(name, p.grad)
             p.grad = None
@@ -31,7 +37,9 @@ def set_grads(model: nn.Module, grads: GradientsParams, *, allow_empty: bool = F
     non-empty `grads` of which none is for a parameter of the model (gradients of another
     model's ParamIds, e.g. taken from a wrapper: `"0.weight"` for `"weight"`), naming a
     few of each. Gradients of ParamIds the model lacks are otherwise ignored. Nothing is
-    written unless every gradient fits its parameter."""
+    written unless every gradient fits its parameter. ParamIds are those of the model
+    inside any wrappers, as `grads_from` gives them; sharded (DTensor) parameters are a
+    `RecorderError`."""
     if not isinstance(grads, GradientsParams):
         raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
     if grads.is_empty() and not allow_empty:
@@ -39,13 +47,14 @@ def set_grads(model: nn.Module, grads: GradientsParams, *, allow_empty: bool = F
             "grads is empty: every .grad would be None and optimizer.step() would do nothing "
             "(was acc.grads() already taken this window?); pass allow_empty=True to clear .grad"
         )
-    params = list(model.named_parameters())
+    params = named_parameters(model)
+    refuse_dtensors(params, "parameter")
     if not grads.is_empty() and not any(name in grads for name, _ in params):
         raise ValueError(
             f"none of the {len(grads)} gradients is for a parameter of the model: gradients for "
             f"{_some(grads)}, model parameters {_some(name for name, _ in params)}; every .grad "
             "would be None and optimizer.step() would do nothing (were the gradients taken from "
-            "another module, e.g. a wrapper whose ParamIds have a prefix?)"
+            "another module, or named by hand with a prefix?)"
         )
     for name, p in params:
         g = grads.get(name)

@@ -1,0 +1,604 @@
+"""`DistributedRecorder`: one checkpoint of a data-parallel (DDP) run, every rank's part
+in one directory, committed once.
+
+A save is collective: every rank of the process group calls `record.save(recorder, path)`
+with its own captured `TrainingRecord`. What is the same on every rank is written once, and
+what is a rank's own is written by that rank:
+
+- `replicated{suffix}`, by rank 0: its model state (parameters, buffers), optimizer and
+  scheduler, which DDP keeps equal on every rank;
+- `rank-{r:05d}-of-{n:05d}{suffix}`, by rank r: its pending gradients (the model's `.grad`
+  left by `no_sync()` micro-steps, and the accumulator's), its caller state (counters,
+  `TorchRngRecord`), and every leaf of the replicated part that differs on this rank from
+  rank 0's (BatchNorm statistics of a DDP with `broadcast_buffers=False`, say), found by
+  comparing per-leaf digests (SHA-1), so a resume is exact even where ranks drifted apart;
+- `manifest.json`, by rank 0, last: format, version, world size, the save's id (which every
+  part repeats), the part names and how many leaves each rank overrides.
+
+The commit (spec/PROTOCOLS.md, "Distributed records"): rank 0 makes a temp directory
+`.{name}.{token}.trainrec-dist-tmp` next to `path` and holds a `flock` on its `.lock`;
+every rank writes its part there with the inner recorder's atomic, durable save; all ranks
+gather each other's outcome (a barrier); only when every part is durable does rank 0
+write the manifest, fsync, and rename the directory to `path` (then fsync the parent).
+`path` exists exactly when the checkpoint is complete. A rank that fails or dies before
+the barrier leaves no `path`: the other ranks raise `RecorderError` (the collective fails
+when a peer's connection drops, or at the process group's timeout) and rank 0 removes the
+temp directory; one a killed rank 0 leaves is removed by a later save into the same
+folder, once its lock is free.
+
+A load reads `replicated` and this rank's part, and refuses another world size: pending
+gradients and caller state are per rank, and no rule maps them onto another number of
+ranks. `read(path, rank=r)` reads rank r's view in any process (inspection, tools).
+
+A recorder of `torch.distributed.checkpoint` directories can reuse the same commit
+(`_Commit`): DCP writes its files into the temp directory, the commit renames it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+import trainrec
+from trainrec import (
+    CorruptRecordError,
+    FileMissingError,
+    NamedMpkFileRecorder,
+    NativePrecisionSettings,
+    RecorderError,
+    RecordMismatchError,
+    TensorData,
+    UnsupportedVersionError,
+)
+from trainrec.adapter_kit import Header, Item, RecorderBase, atomic_write, path_arg
+
+if sys.platform != "win32":
+    import fcntl
+
+__all__ = ["DistributedRecorder"]
+
+FORMAT = "trainrec.distributed"
+VERSION = (1, 0)
+MANIFEST = "manifest.json"
+_LOCK = ".lock"
+_TEMP_SUFFIX = ".trainrec-dist-tmp"
+_TEMP = re.compile(r"\..+\.[0-9a-f]{12}" + re.escape(_TEMP_SUFFIX))
+_TRAINING = "TrainingRecord"
+_TORCH_MODULE = "torch.nn.Module"
+_PART = "trainrec.distributed.part"
+_REPLICATED = "trainrec.distributed.replicated"
+
+Path_ = tuple[str | int, ...]
+
+
+class DistributedRecorder(RecorderBase):
+    """Saves a data-parallel run's checkpoint as one directory (args: its path, which must
+    not exist yet; output: the `Path`), every rank's part written by that rank and
+    committed by rank 0 once all are durable; see the module docstring for the layout.
+
+    `recorder` writes each part (default `NamedMpkFileRecorder(NativePrecisionSettings())`,
+    every dtype kept; any file recorder with a `suffix`); its precision settings are this
+    recorder's. `group` is the process group whose ranks save together (default: the
+    world; without an initialized process group the run is one rank).
+
+    Every rank calls `save` / `record` (collective: the ranks meet three times; a rank
+    that never arrives fails the others at once when its process is gone, else at the
+    process group's timeout) and `load` / `read`
+    (not collective). Loading refuses a checkpoint of another world size.
+
+    Example::
+
+        rec = TrainingRecord.capture(ddp_model, optimizer, scheduler, acc, state)
+        rec.save(DistributedRecorder(), root / f"step-{step:08d}")   # on every rank
+        ...
+        record = TrainingRecord.load(DistributedRecorder(), path, device, state_type=State)
+    """
+
+    def __init__(self, recorder: RecorderBase | None = None, *, group: Any = None) -> None:
+        inner = NamedMpkFileRecorder(NativePrecisionSettings()) if recorder is None else recorder
+        suffix = getattr(inner, "suffix", None)
+        if not isinstance(inner, RecorderBase) or not isinstance(suffix, str) or not suffix:
+            raise TypeError(
+                "DistributedRecorder writes each rank's part with a file recorder (one with a "
+                f"`suffix` such as '.mpk'), got {type(inner).__name__}")
+        super().__init__(inner.settings)
+        self.recorder = inner
+        self.group = group
+        self._suffix = suffix
+
+    def __repr__(self) -> str:
+        return f"DistributedRecorder({self.recorder!r})"
+
+    def native_name(self) -> str:
+        return f"DistributedRecorder({self.recorder.native_name()})"
+
+    # -- save ------------------------------------------------------------------------------
+
+    def save_item(
+        self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
+    ) -> Path:
+        """Collective: write this rank's part of `item` into the checkpoint `args` and
+        return its `Path` once rank 0 committed it. Every rank raises `RecorderError` when
+        any rank failed (its own error on the rank that failed), and nothing is committed."""
+        path = path_arg(args)
+        rank, world = _rank_world(self.group)
+        commit = _Commit(path, rank, world, self.group)
+        early: Exception | None = None  # raised after the ranks met: they must hear of it
+        replicated: dict[str, Item] | None = None
+        ours: Any = None
+        try:
+            replicated, local = _split(item, record_type)
+        except Exception as e:  # noqa: BLE001
+            early = e
+        if rank == 0:
+            commit.prepare()  # the temp directory; an error is told to every rank in `begin`
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # with one rank there is nobody to differ from; rank 0 hashes while it writes
+            # the replicated part, the biggest write, so the digests cost it next to nothing
+            digests = (pool.submit(_digests, replicated)
+                       if replicated is not None and world > 1 else None)
+            if rank == 0 and commit.token and replicated is not None and early is None:
+                try:
+                    rep: dict[str, Item] = {**replicated, "save_id": commit.token}
+                    self.recorder.save_item(rep, commit.temp / f"replicated{self._suffix}",
+                                            _REPLICATED, allow_lossy=allow_lossy)
+                except Exception as e:  # noqa: BLE001
+                    early = e
+            try:
+                ours = None if digests is None else digests.result()
+            except Exception as e:  # noqa: BLE001
+                early = early or e
+        theirs = commit.begin(ours)  # rank 0's digests, on every rank
+        overrides = 0
+        try:
+            if early is not None:
+                raise early
+            if replicated is not None:
+                local["overrides"] = _overrides(replicated, ours, theirs)
+                overrides = len(local["overrides"])  # type: ignore[arg-type]
+            local.update(rank=rank, world_size=world, save_id=commit.token)
+            self.recorder.save_item(local, commit.temp / _part_name(rank, world, self._suffix),
+                                    _PART, allow_lossy=allow_lossy)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
+            commit.fail(e)
+        else:
+            commit.wrote(overrides)
+        manifest = {
+            "format": FORMAT, "version": list(VERSION), "trainrec": trainrec.__version__,
+            "record": record_type, "world_size": world, "save_id": commit.token,
+            "parts": [_part_name(r, world, self._suffix) for r in range(world)],
+            "replicated": None if replicated is None else f"replicated{self._suffix}",
+        }
+        commit.finish(manifest)
+        return path
+
+    # -- load ------------------------------------------------------------------------------
+
+    def read(self, args: Any, *, mmap: bool = False, rank: int | None = None) -> tuple[Header, Item]:
+        """Header and item of this rank's view of the checkpoint `args` (the record it
+        saved, whole). `rank=r` reads rank r's view in any process, without checking the
+        world size. Raises `FileMissingError` when there is no committed checkpoint,
+        `RecordMismatchError` for another world size (or rank out of range; `TypeError`
+        for a rank that is not an int), and
+        `CorruptRecordError` for a damaged or mixed-up directory."""
+        path = path_arg(args)
+        manifest = _read_manifest(path)
+        world = manifest["world_size"]
+        if rank is None:
+            rank, live = _rank_world(self.group)
+            if live != world:
+                raise RecordMismatchError(
+                    f"the checkpoint was saved by {world} rank(s), this run has {live}: each "
+                    "rank's pending gradients and caller state (counters, RNG) are its own, "
+                    f"and no rule maps them onto another number of ranks; resume with {world} "
+                    "rank(s) (e.g. torchrun --nproc-per-node "
+                    f"{world}), or read one rank's view with read(path, rank=r)",
+                    source=str(path))
+        elif isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+        elif not 0 <= rank < world:
+            raise RecordMismatchError(f"rank must be in [0, {world}): the checkpoint has "
+                                      f"{world} rank(s), got {rank}", source=str(path))
+        header, local = _read_part(path / manifest["parts"][rank], _PART, mmap)
+        _expect_part(local, {"rank": rank, "world_size": world, "save_id": manifest["save_id"]},
+                     path / manifest["parts"][rank])
+        if manifest["replicated"] is None:
+            item = local.get("item")
+        else:
+            rep_path = path / manifest["replicated"]
+            _, rep = _read_part(rep_path, _REPLICATED, mmap)
+            _expect_part(rep, {"save_id": manifest["save_id"]}, rep_path)
+            item = _merge(rep, local, rep_path)
+        return dataclasses.replace(header, record_type=manifest["record"]), item
+
+
+# -- what is replicated and what is a rank's own ---------------------------------------------
+
+
+def _split(item: Item, record_type: str) -> tuple[dict[str, Item] | None, dict[str, Item]]:
+    """(replicated part or None, this rank's part). A `TrainingRecord`'s model state,
+    optimizer and scheduler are replicated; the model's pending `.grad`, the accumulator's
+    pending gradients and the caller state are the rank's. Any other record is the rank's
+    whole."""
+    if record_type != _TRAINING or not isinstance(item, list) or len(item) != 5:
+        return None, {"item": item}
+    model, optimizer, scheduler, grads, state = item
+    model_grads: Item = None
+    if isinstance(model, dict) and model.get("kind") == _TORCH_MODULE:
+        inner = model.get("state")
+        if isinstance(inner, dict) and "grads" in inner:
+            model_grads = inner["grads"]
+            model = {**model, "state": {**inner, "grads": {}}}
+    return ({"model": model, "optimizer": optimizer, "scheduler": scheduler},
+            {"model_grads": model_grads, "grads": grads, "state": state})
+
+
+def _merge(rep: dict[str, Item], local: dict[str, Item], source: Path) -> Item:
+    if set(rep) != {"model", "optimizer", "scheduler", "save_id"} or not {
+            "model_grads", "grads", "state", "overrides"} <= set(local):
+        raise CorruptRecordError("a part of a distributed TrainingRecord lacks components",
+                                 source=str(source))
+    tree: Item = {k: rep[k] for k in ("model", "optimizer", "scheduler")}
+    overrides = local["overrides"]
+    if not isinstance(overrides, list):
+        raise CorruptRecordError("overrides must be a list", source=str(source))
+    for entry in overrides:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                and all(isinstance(k, str) or type(k) is int for k in entry[0])):
+            raise CorruptRecordError("an override must be [path of keys and indices, value]",
+                                     source=str(source))
+        at: Path_ = tuple(k for k in entry[0] if isinstance(k, (str, int)))
+        tree = _set(tree, at, entry[1], at, source)
+    if not (isinstance(tree, dict) and {"model", "optimizer", "scheduler"} <= set(tree)):
+        raise CorruptRecordError("the overrides leave no model, optimizer and scheduler",
+                                 source=str(source))
+    model = tree["model"]
+    if local["model_grads"] is not None:
+        if not (isinstance(model, dict) and isinstance(model.get("state"), dict)):
+            raise CorruptRecordError("the replicated model holds no state map", source=str(source))
+        model = {**model, "state": {**model["state"], "grads": local["model_grads"]}}  # type: ignore[dict-item]
+    return [model, tree["optimizer"], tree["scheduler"], local["grads"], local["state"]]
+
+
+def _leaves(item: Item, at: Path_ = ()) -> list[tuple[Path_, Item]]:
+    """Every leaf (tensor, scalar, empty container) with its path of keys and indices."""
+    if isinstance(item, dict) and item:
+        return [leaf for k, v in item.items() for leaf in _leaves(v, (*at, k))]
+    if isinstance(item, list) and item:
+        return [leaf for i, v in enumerate(item) for leaf in _leaves(v, (*at, i))]
+    return [(at, item)]
+
+
+def _digest(leaf: Item) -> bytes:
+    """SHA-1 of a leaf's kind, dtype, shape and bytes: told apart from rank 0's to find
+    accidental divergence, not forgery (SHA-1 is hardware-accelerated on most CPUs and
+    releases the GIL, so tensors are hashed on several threads)."""
+    h = hashlib.sha1(usedforsecurity=False)
+    if isinstance(leaf, TensorData):
+        h.update(f"T{leaf.dtype.value}{leaf.shape}".encode())
+        h.update(np.ascontiguousarray(leaf.array).reshape(-1).view(np.uint8).data)
+    else:
+        h.update(f"{type(leaf).__name__}:{leaf!r}".encode())
+    return h.digest()
+
+
+def _digests(replicated: dict[str, Item]) -> tuple[bytes, list[bytes]]:
+    """(digest of the tree's structure, digest of each leaf in order)."""
+    leaves = _leaves(replicated)
+    shape = hashlib.sha1(repr([p for p, _ in leaves]).encode(), usedforsecurity=False).digest()
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return shape, list(pool.map(_digest, [v for _, v in leaves]))
+
+
+def _overrides(replicated: dict[str, Item], ours: Any, theirs: Any) -> Item:
+    """The leaves of this rank's replicated state that differ from rank 0's, as
+    `[[path...], value]` pairs; the whole tree at the root path when its structure differs."""
+    if ours == theirs:
+        return []
+    if ours[0] != theirs[0]:
+        return [[[], dict(replicated)]]
+    return [[list(p), v] for (p, v), a, b in zip(_leaves(replicated), ours[1], theirs[1]) if a != b]
+
+
+def _set(tree: Item, at: Path_, value: Item, whole: Path_, source: Path) -> Item:
+    """`tree` with the node at `at` replaced by `value` (`whole`: the override's path)."""
+    if not at:
+        return value
+    head, rest = at[0], at[1:]
+    if isinstance(tree, dict) and isinstance(head, str) and head in tree:
+        return {**tree, head: _set(tree[head], rest, value, whole, source)}
+    if isinstance(tree, list) and type(head) is int and 0 <= head < len(tree):
+        return [*tree[:head], _set(tree[head], rest, value, whole, source), *tree[head + 1:]]
+    raise CorruptRecordError(f"an override's path {list(whole)!r} is not in the replicated state",
+                             source=str(source))
+
+
+# -- the commit ----------------------------------------------------------------------------
+
+
+class _Commit:
+    """One collective save into a temp directory, renamed to `path` by rank 0 once every
+    rank's part is durable. `begin`, then `wrote` or `fail`, then `finish`, on every rank."""
+
+    def __init__(self, path: Path, rank: int, world: int, group: Any) -> None:
+        self.path, self.rank, self.world, self.group = path, rank, world, group
+        self.token = ""
+        self.temp = Path()
+        self._lock: int | None = None
+        self._error: Exception | None = None
+        self._outcome: tuple[str, Any] = ("ok", 0)
+
+    def prepare(self) -> None:
+        """Rank 0: make the temp directory (`token`, `temp`); what fails is kept for `begin`."""
+        try:
+            self._make_temp()
+        except (RecorderError, OSError) as e:
+            self._error = e
+
+    def begin(self, payload: Any) -> Any:
+        """Every rank learns the temp directory's name and gets rank 0's `payload`. Raises on
+        every rank what kept rank 0 from starting (after `prepare`)."""
+        message: list[Any] = [None]
+        if self.rank == 0:
+            if self.token:
+                message = [("ok", self.token, payload)]
+            else:
+                message = [("error", f"{type(self._error).__name__}: {self._error}", None)]
+        _collective(lambda: _broadcast(message, self.group), self.path, "starting the save",
+                    self._abandon)
+        status, value, payload = message[0]
+        if status != "ok":
+            if self._error is not None:
+                raise self._error
+            raise RecorderError(f"rank 0 could not start the save: {value}", source=str(self.path))
+        self.token = value
+        self.temp = self.path.parent / f".{self.path.name}.{self.token}{_TEMP_SUFFIX}"
+        return payload
+
+    def wrote(self, overrides: int) -> None:
+        self._outcome = ("ok", overrides)
+
+    def fail(self, error: Exception) -> None:
+        self._error = error
+        self._outcome = ("error", f"{type(error).__name__}: {error}")
+
+    def finish(self, manifest: dict[str, Any]) -> None:
+        """Meet every rank; rank 0 commits when all parts are durable. Raises on every rank
+        when any rank failed (on that rank, its own error)."""
+        outcomes: list[Any] = [None] * self.world
+        _collective(lambda: _all_gather(outcomes, self._outcome, self.group), self.path,
+                    "waiting for every rank's part", self._abandon)
+        failed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] != "ok"]
+        result: list[Any] = [("ok", "")]
+        cause: Exception | None = None
+        if self.rank == 0:
+            if not failed:
+                try:
+                    manifest["overrides"] = [o[1] for o in outcomes]
+                    self._commit(manifest)
+                except Exception as e:  # noqa: BLE001 - the other ranks wait for the word
+                    result = [("error", f"rank 0 could not commit: {type(e).__name__}: {e}; "
+                                        f"{_NOT_COMMITTED}")]
+                    cause = e
+            if failed or result[0][0] != "ok":
+                self._abandon()
+        if not failed:
+            _collective(lambda: _broadcast(result, self.group), self.path, "confirming the commit",
+                        lambda: None, "rank 0 may have committed it: the checkpoint is complete "
+                        "exactly when its directory exists")
+        if self._error is not None:
+            raise self._error
+        if failed:
+            shown = "; ".join(f"rank {r}: {m}" for r, m in failed)
+            raise RecorderError(f"not committed, since a rank failed to write its part ({shown})",
+                                source=str(self.path))
+        if result[0][0] != "ok":
+            raise RecorderError(result[0][1], source=str(self.path)) from cause
+
+    def _make_temp(self) -> None:
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        if os.path.lexists(self.path):
+            raise RecorderError(
+                "a distributed checkpoint is a directory and is never replaced: save under a "
+                "new path (a new step)", source=str(self.path))
+        if not parent.is_dir():
+            raise FileMissingError(f"cannot save: the folder {str(parent)!r} does not exist "
+                                   "(create it first)", source=str(self.path))
+        _sweep(parent)
+        for _ in range(100):
+            token = secrets.token_hex(6)
+            temp = parent / f".{self.path.name}.{token}{_TEMP_SUFFIX}"
+            try:
+                temp.mkdir()
+            except FileExistsError:
+                continue
+            try:
+                lock = os.open(temp / _LOCK, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except OSError:
+                shutil.rmtree(temp, ignore_errors=True)
+                raise
+            if sys.platform != "win32":
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else holds it
+            self.token, self.temp, self._lock = token, temp, lock  # started: `begin` says so
+            return
+        raise RecorderError("no free temporary directory name after 100 tries",
+                            source=str(self.path))
+
+    def _commit(self, manifest: dict[str, Any]) -> None:
+        with atomic_write(self.temp / MANIFEST) as f:
+            f.write(json.dumps(manifest, sort_keys=True, indent=1).encode())
+        os.unlink(self.temp / _LOCK)  # still locked through our descriptor: see _sweep
+        _fsync(self.temp)
+        if os.path.lexists(self.path):
+            raise RecorderError("the checkpoint appeared while it was being saved: another "
+                                "writer uses this path", source=str(self.path))
+        os.rename(self.temp, self.path)
+        _fsync(self.path.parent if str(self.path.parent) else Path("."))
+        self._release()
+
+    def _abandon(self) -> None:
+        if self.rank == 0 and self.token:
+            shutil.rmtree(self.temp, ignore_errors=True)
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _sweep(parent: Path) -> None:
+    """Remove temp directories of saves whose rank 0 is gone: ours by name, with a `.lock`
+    nobody holds. One without a lock file (being committed, or of another tool) is left."""
+    if sys.platform == "win32":
+        return
+    try:
+        names = [n for n in os.listdir(parent) if _TEMP.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        temp = parent / name
+        try:
+            fd = os.open(temp / _LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its rank 0 is alive
+        try:
+            shutil.rmtree(temp, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _fsync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- collectives ---------------------------------------------------------------------------
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialized")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _src(group: Any) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _broadcast(message: list[Any], group: Any) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(message, src=_src(group), group=group)
+
+
+def _all_gather(out: list[Any], value: Any, group: Any) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(out, value, group=group)
+    else:
+        out[0] = value
+
+
+_NOT_COMMITTED = "nothing was committed, and earlier checkpoints are untouched"
+
+
+def _collective(call: Any, path: Path, what: str, abandon: Any,
+                outcome: str = _NOT_COMMITTED) -> None:
+    """Run a collective; when it fails (a peer died, a timeout), `abandon` the save and
+    raise `RecorderError` saying `outcome`."""
+    try:
+        call()
+    except RuntimeError as e:  # gloo and NCCL errors (DistBackendError too) are RuntimeErrors
+        abandon()
+        raise RecorderError(
+            f"the ranks could not meet while {what} (a rank died, or the process group timed "
+            f"out: {e}); {outcome}", source=str(path)) from e
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def _part_name(rank: int, world: int, suffix: str) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}{suffix}"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise FileMissingError("no committed distributed checkpoint here (a save commits its "
+                               "directory by renaming it into place)", source=str(path))
+    try:
+        doc = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
+                                 "DistributedRecorder committed", source=str(path)) from None
+    except (OSError, ValueError) as e:
+        raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
+    version = doc.get("version")
+    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
+        raise CorruptRecordError("malformed version", source=str(file), key="version")
+    if version[0] != VERSION[0]:
+        raise UnsupportedVersionError(f"format version {version[0]}.{version[1]}, this trainrec "
+                                      f"reads {VERSION[0]}.x", source=str(file))
+    world = doc.get("world_size")
+    parts = doc.get("parts")
+    checks = {
+        "world_size": type(world) is int and world >= 1,
+        "record": isinstance(doc.get("record"), str),
+        "save_id": isinstance(doc.get("save_id"), str),
+        "parts": isinstance(parts, list) and len(parts) == world and all(
+            isinstance(p, str) and _safe_name(p) for p in parts),
+        "replicated": doc.get("replicated") is None or (
+            isinstance(doc.get("replicated"), str) and _safe_name(doc["replicated"])),
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+    return doc
+
+
+def _safe_name(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def _read_part(file: Path, record_type: str, mmap: bool) -> tuple[Header, dict[str, Item]]:
+    if not file.is_file():
+        raise CorruptRecordError("a part the manifest lists is missing", source=str(file))
+    header, item = trainrec.read_file(file, mmap=mmap)
+    if header.record_type != record_type or not isinstance(item, dict):
+        raise CorruptRecordError(f"holds a {header.record_type}, not a {record_type}",
+                                 source=str(file))
+    return header, item
+
+
+def _expect_part(item: dict[str, Item], fields: dict[str, Item], file: Path) -> None:
+    for key, want in fields.items():
+        if item.get(key) != want:
+            raise CorruptRecordError(
+                f"{key} is {item.get(key)!r}, the manifest says {want!r} (a part of another "
+                "save, or of another rank)", source=str(file), key=key)

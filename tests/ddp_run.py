@@ -1,0 +1,156 @@
+"""One rank of a small DDP run with gradient accumulation, for test_torch_distributed.py:
+`python tests/ddp_run.py MODE RANK WORLD STORE OUT`, all ranks started together
+(gloo on CPU, a `FileStore` at STORE: no port to pick).
+
+Windows of WINDOW micro-steps; all but a window's last micro-step run under
+`model.no_sync()`. Even windows accumulate natively in `.grad` (the usual DDP way; the
+pending `.grad` is the model record's), odd windows through trainrec's accumulator (put
+back into `.grad` before the last backward, which DDP then all-reduces), so a checkpoint
+in either holds each rank's own pending gradients. Each rank draws its own batches and
+dropout masks from torch's RNG, seeded per rank; `forward_sync_buffers=False` lets each
+rank's BatchNorm statistics drift apart, so they too are each rank's own.
+
+MODE:
+- `checkpoint`: the uninterrupted run: train to STEPS, saving OUT/ckpt/step-A and step-B
+  mid-window with `DistributedRecorder` (a save changes nothing the run goes on with: the
+  resumes are compared with this run), and write the final capture to OUT/final-RANK.mpk;
+  then save it as OUT/ckpt/step-STEPS, during which rank 1 kills itself (SIGKILL) half-way
+  through writing its part; rank 0 writes the error it got to OUT/kill-error.txt and exits.
+- `resume:S`: restore OUT/ckpt/step-S into fresh objects, train to STEPS, write
+  OUT/resumed-S-RANK.mpk.
+
+With DDP_RUN_DEVICE=cuda the ranks run NCCL, one GPU each (the `cuda` test); a world of
+one rank has nobody to kill, so its last save just commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import trainrec
+import trainrec.adapters.torch as trt
+from trainrec import (
+    GradientsAccumulator,
+    NamedMpkFileRecorder,
+    NativePrecisionSettings,
+    TrainingRecord,
+)
+
+WINDOW, STEPS = 3, 12
+A, B = 4, 8  # A: 1 pending, through the accumulator; B: 2 pending, in .grad
+
+
+@trainrec.record
+class State:
+    micro: int
+    rng: trt.TorchRngRecord | None = None
+
+
+class DyingRecorder(NamedMpkFileRecorder):
+    """Writes half a part, then the process is killed, as by the OOM killer."""
+
+    def save_item(self, item, args, record_type="Item", *, allow_lossy=False):
+        Path(args).write_bytes(b"\x93partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+DEVICE = os.environ.get("DDP_RUN_DEVICE", "cpu")
+
+
+def device(rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}" if DEVICE == "cuda" else "cpu")
+
+
+def build(rank: int):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
+                        nn.Linear(16, 2)).to(device(rank))
+    ids = [rank] if DEVICE == "cuda" else None
+    model = DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    torch.manual_seed(1000 + rank)  # each rank its own batches and dropout masks
+    random.seed(rank)  # recorded by TorchRngRecord too: the same in every run
+    return model, opt, sched, GradientsAccumulator(), State(micro=0)
+
+
+def train(model, opt, sched, acc, state, until, on_step=None):
+    while state.micro < until:
+        window, pos = divmod(state.micro, WINDOW)
+        last = pos == WINDOW - 1
+        through_acc = window % 2 == 1
+        if last and through_acc:
+            trt.set_grads(model, acc.grads())  # the window's sum; this backward adds to it
+        x = torch.randn(8, 4, device=next(model.parameters()).device)
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = nn.functional.mse_loss(model(x), x[:, :2].sin()) / WINDOW
+            loss.backward()
+        if through_acc and not last:
+            acc.accumulate(model, trt.grads_from(model))
+        state.micro += 1
+        if last:
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(state.micro)
+
+
+def capture(model, opt, sched, acc, state):
+    state.rng = trt.TorchRngRecord.capture()
+    return TrainingRecord.capture(model, opt, sched, acc, state)
+
+
+def main() -> None:
+    mode, rank, world, store, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    native = NamedMpkFileRecorder(NativePrecisionSettings())
+    ckpt = out / "ckpt"
+    model, opt, sched, acc, state = build(rank)
+    if mode == "checkpoint":
+        def save(micro: int) -> None:
+            if micro in (A, B):
+                capture(model, opt, sched, acc, state).save(trt.DistributedRecorder(),
+                                                            ckpt / f"step-{micro:08d}")
+        train(model, opt, sched, acc, state, STEPS, on_step=save)
+        final = capture(model, opt, sched, acc, state)
+        final.save(native, out / f"final-{rank}.mpk")
+        if world == 1:
+            final.save(trt.DistributedRecorder(), ckpt / f"step-{STEPS:08d}")
+            return
+        dying = trt.DistributedRecorder(DyingRecorder() if rank == 1 else None)
+        try:
+            final.save(dying, ckpt / f"step-{STEPS:08d}")
+        except trainrec.RecorderError as e:
+            (out / "kill-error.txt").write_text(f"{type(e).__name__}: {e}")
+        os._exit(0)  # the group lost a rank: no orderly shutdown
+    elif mode.startswith("resume:"):
+        step = int(mode.split(":")[1])
+        record = TrainingRecord.load(trt.DistributedRecorder(), ckpt / f"step-{step:08d}",
+                                     device(rank), state_type=State)
+        r = record.restore(model, opt, sched, device(rank))
+        acc, state = r.accumulator, r.state
+        state.rng.apply()
+        train(model, opt, sched, acc, state, STEPS)
+        capture(model, opt, sched, acc, state).save(native, out / f"resumed-{step}-{rank}.mpk")
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
