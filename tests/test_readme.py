@@ -1,8 +1,7 @@
 """Every ```python block of README.md runs as written, each in a fresh interpreter.
 
 A block that needs torch, jax, flax, optax, equinox, accelerate, lightning or torchdata is
-skipped when that package is not
-installed. A block that is not meant to run must say so, and why, in an HTML comment on
+skipped when that package is not installed. A block that is not meant to run must say so, and why, in an HTML comment on
 the line before its fence: `<!-- readme-test: not run: <the reason> -->`."""
 
 from __future__ import annotations
