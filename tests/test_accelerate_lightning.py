@@ -232,16 +232,17 @@ def test_accelerate_exact_resume_refuses_misuse_and_a_foreign_payload():
     with pytest.raises(TypeError, match="trainrec Record"):
         ExactResume(accelerator, model, state={"micro": 1})
     exact = ExactResume(accelerator, model)
-    accelerator.step = 5
+    accelerator.step, accelerator.sync_gradients = 5, False
     sd = exact.state_dict()
-    accelerator.step = 0
+    accelerator.step, accelerator.sync_gradients = 0, True
     grads = _grads(model)
     with pytest.raises(RecordMismatchError, match="ExactResume.*do not fit the model"):
         ExactResume(accelerator, torch.nn.Linear(3, 1)).load_state_dict(sd)
     assert accelerator.step == 0
     model.zero_grad()
     exact.load_state_dict(sd)
-    assert _same_grads(_grads(model), grads) and accelerator.step == 5
+    assert _same_grads(_grads(model), grads)
+    assert accelerator.step == 5 and accelerator.sync_gradients is False
 
 
 def test_lightning_exact_resume_refuses_a_checkpoint_without_it_or_of_another_window():
@@ -267,3 +268,42 @@ def test_lightning_exact_resume_refuses_a_checkpoint_without_it_or_of_another_wi
                                          {"callbacks": {cb.state_key: {**payload,
                                                                        "accumulate_grad_batches": 4}}})
     assert cb._pending is None
+
+
+def test_each_integration_refuses_more_than_one_process(monkeypatch):
+    accelerate = pytest.importorskip("accelerate", reason="trainrec[accelerate] is not installed")
+    pytest.importorskip("lightning", reason="trainrec[lightning] is not installed")
+    from trainrec.adapters.torch import accelerate as tra
+    from trainrec.adapters.torch import lightning as trl
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    tra.ExactResume(accelerator, _mlp())  # one process: accepted
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match="this accelerator has 2: .*main process only"):
+        tra.ExactResume(accelerator, _mlp())
+
+    class Trainer:
+        world_size = 2
+
+    cb = trl.ExactResume()
+    with pytest.raises(ValueError, match="world_size 2: .*rank 0 only"):
+        cb.setup(Trainer(), _mlp(), "fit")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pass the callback to Trainer"):
+        cb.state_dict()  # never set up by a Trainer
+
+
+def test_without_the_extra_the_import_says_what_to_install():
+    code = ("import sys\n"
+            "sys.modules['accelerate'] = None; sys.modules['lightning'] = None\n"
+            "for name, extra in (('accelerate', 'accelerate'), ('lightning', 'lightning')):\n"
+            "    try:\n"
+            "        __import__('trainrec.adapters.torch.' + name)\n"
+            "    except ImportError as e:\n"
+            "        assert f\"pip install 'trainrec[{extra}]'\" in str(e), str(e)\n"
+            "    else:\n"
+            "        raise AssertionError(name + ' imported without its package')\n"
+            "import trainrec.adapters.torch as trt\n"
+            "assert trt.grads_from is not None  # the rest of the adapter is unaffected\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -22,8 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import accelerate
 from torch import nn
+
+try:
+    import accelerate
+except ImportError as e:  # pragma: no cover - the message is tested with accelerate hidden
+    raise ImportError("trainrec.adapters.torch.accelerate needs accelerate, which is not "
+                      "installed: pip install 'trainrec[accelerate]'", name=e.name) from e
 
 from .pending import pack, unpack
 
@@ -45,7 +50,9 @@ class ExactResume:
     type) raises `RecordMismatchError` naming what is wrong, and changes nothing.
 
     Raises `TypeError` when `accelerator` is not an `accelerate.Accelerator` or `model` not an
-    `nn.Module` (pass the model `prepare` returned, or the one you gave it)."""
+    `nn.Module` (pass the model `prepare` returned, or the one you gave it), and `ValueError`
+    for more than one process: Accelerate writes registered objects from the main process
+    only, so every rank would load rank 0's pending gradients."""
 
     def __init__(self, accelerator: accelerate.Accelerator, model: nn.Module,
                  state: Any = None) -> None:
@@ -54,6 +61,13 @@ class ExactResume:
                             f"{type(accelerator).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if accelerator.num_processes != 1:
+            raise ValueError(
+                f"ExactResume supports one process, this accelerator has "
+                f"{accelerator.num_processes}: Accelerate saves registered objects from the main "
+                "process only, so each rank's own pending gradients would be lost (accumulate "
+                "with trainrec's GradientsAccumulator and a per-rank record instead)"
+            )
         if state is not None and not (hasattr(state, "into_item")
                                       and hasattr(type(state), "from_item")):
             raise TypeError(f"state must be a trainrec Record (a @trainrec.record dataclass) "
@@ -84,5 +98,4 @@ class ExactResume:
         if self.state is not None:
             self.state = pending.state
         self.accelerator.step = pending.counters["accelerate_step"]
-        self.accelerator.gradient_state._set_sync_gradients(
-            bool(pending.counters["accelerate_sync_gradients"]))
+        self.accelerator.sync_gradients = bool(pending.counters["accelerate_sync_gradients"])

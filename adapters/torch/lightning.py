@@ -24,7 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
+try:
+    import lightning.pytorch as pl
+except ImportError as e:  # pragma: no cover - the message is tested with lightning hidden
+    raise ImportError("trainrec.adapters.torch.lightning needs lightning, which is not "
+                      "installed: pip install 'trainrec[lightning]'", name=e.name) from e
 
 from trainrec import RecordMismatchError
 
@@ -50,7 +54,8 @@ class ExactResume(pl.Callback):
     mid-epoch with a train dataloader that keeps no position (a plain `DataLoader`: Lightning
     restarts the epoch and replays batches) raises `ValueError` unless `allow_replay=True`.
 
-    Raises `TypeError` when `state` is not a trainrec Record."""
+    Raises `TypeError` when `state` is not a trainrec Record; `ValueError` in a Trainer of
+    more than one process (see `setup`)."""
 
     def __init__(self, state: Any = None, *, rng: bool = True, allow_replay: bool = False) -> None:
         if state is not None and not (hasattr(state, "into_item")
@@ -72,8 +77,8 @@ class ExactResume(pl.Callback):
         is the model whose `.grad` is saved)."""
         trainer = self._trainer
         if trainer is None:
-            raise RuntimeError("ExactResume.state_dict() is called by a Trainer saving a "
-                               "checkpoint; pass the callback to Trainer(callbacks=[...])")
+            raise ValueError("ExactResume.state_dict() is called by a Trainer saving a "
+                             "checkpoint; pass the callback to Trainer(callbacks=[...])")
         return pack(trainer.lightning_module, self.state,
                     {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)},
                     rng=TorchRngRecord.capture() if self.rng else None)
@@ -82,6 +87,14 @@ class ExactResume(pl.Callback):
         """Nothing: `on_load_checkpoint` reads the same entry and checks it first."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Raises `ValueError` for more than one process (Lightning writes the callbacks'
+        state from rank 0 only: every rank would load rank 0's pending gradients)."""
+        if trainer.world_size != 1:
+            raise ValueError(
+                f"ExactResume supports one process, this Trainer has world_size "
+                f"{trainer.world_size}: Lightning saves callback state from rank 0 only, so each "
+                "rank's own pending gradients would be lost"
+            )
         self._trainer = trainer
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
