@@ -74,10 +74,12 @@ def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("torchdata", reason="torchdata is not installed (trainrec[lightning])")
     tmp = tmp_path_factory.mktemp("lightning")
     ck = {k: tmp / f"{k}.ckpt" for k in ("exact", "plain", "replay")}
+    early = tmp / "early.ckpt"
     return _run_tool("lightning", tmp,
-                     [[f"resume:exact:{ck['exact']}", f"resume:plain:{ck['plain']}"],
+                     [[f"resume:exact:{ck['exact']}", f"resume:plain:{ck['plain']}",
+                       f"resume:exact:{early}"],
                       [f"resume:replay:{ck['replay']}", f"resume:replay_allowed:{ck['replay']}"]],
-                     [f"save:{k}:{ck[k]}:{SAVE_AT}" for k in ck])
+                     [f"save:{k}:{ck[k]}:{SAVE_AT}" for k in ck] + [f"save:exact:{early}:5"])
 
 
 def test_accelerate_save_state_mid_window_resumes_bitwise_with_exact_resume(accelerate_runs):
@@ -98,17 +100,20 @@ def test_accelerate_alone_loses_the_pending_gradients(accelerate_runs):
     assert resumed["losses"][SAVE_AT:] != full["losses"][SAVE_AT:]
 
 
-def test_lightning_mid_window_checkpoint_resumes_bitwise_with_exact_resume(lightning_runs):
-    (full, saved, _, _), ((resumed, _), _) = lightning_runs
+@pytest.mark.parametrize("at", [SAVE_AT, 5])
+def test_lightning_mid_window_checkpoint_resumes_bitwise_with_exact_resume(lightning_runs, at):
+    # at 5 the resumed run crosses an epoch: the next shuffle needs the loader's generator
+    (full, *saved), ((resumed, _, early), _) = lightning_runs
+    saved, resumed = (saved[0], resumed) if at == SAVE_AT else (saved[3], early)
     assert saved["pending_at_save"] == 4
     assert resumed["pending_at_start"] == 4
-    assert len(full["losses"]) == 20 and len(resumed["losses"]) == 20 - SAVE_AT
-    assert resumed["losses"] == full["losses"][SAVE_AT:]  # the data position came back
+    assert len(full["losses"]) == 20 and len(resumed["losses"]) == 20 - at
+    assert resumed["losses"] == full["losses"][at:]  # the data position came back
     assert _same(full, resumed), _max_diff(full, resumed)
 
 
 def test_lightning_alone_loses_pending_gradients_and_rng(lightning_runs):
-    (full, _, saved, _), ((_, resumed), _) = lightning_runs
+    (full, _, saved, _, _), ((_, resumed, _), _) = lightning_runs
     assert saved["pending_at_save"] == 4
     assert resumed["pending_at_start"] == 0
     assert resumed["losses"] != full["losses"][SAVE_AT:]
@@ -268,6 +273,29 @@ def test_lightning_exact_resume_refuses_a_checkpoint_without_it_or_of_another_wi
                                          {"callbacks": {cb.state_key: {**payload,
                                                                        "accumulate_grad_batches": 4}}})
     assert cb._pending is None
+
+    from trainrec.adapters.torch import TorchRngRecord
+
+    class FitLoop:
+        restarted_mid_epoch = True
+
+    class Resuming(Trainer):
+        fit_loop = FitLoop()
+        train_dataloader = torch.utils.data.DataLoader(list(range(8)), shuffle=True)  # no generator=
+
+    one_generator = pack(model, None, {"accumulate_grad_batches": 4},
+                         rng=TorchRngRecord.capture(torch.Generator()))
+    exact = ExactResume(allow_replay=True)
+    exact.on_load_checkpoint(Resuming(), model, {"callbacks": {cb.state_key: one_generator}})  # type: ignore[arg-type]
+    grads = _grads(model)
+    model.zero_grad()
+    with pytest.raises(RecordMismatchError, match="generators of 1 train dataloaders, the Trainer's have 0"):
+        exact.on_train_start(Resuming(), model)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in model.parameters())  # nothing was written
+    exact.on_load_checkpoint(Resuming(), model, {"callbacks": {cb.state_key: {  # type: ignore[arg-type]
+        **one_generator, "rng": pack(model, None, {}, rng=TorchRngRecord.capture())["rng"]}}})
+    exact.on_train_start(Resuming(), model)  # type: ignore[arg-type]
+    assert _same_grads(_grads(model), grads)  # the unbroken variant loads
 
 
 def test_each_integration_refuses_more_than_one_process(monkeypatch):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 try:
     import lightning.pytorch as pl
 except ImportError as e:  # pragma: no cover - the message is tested with lightning hidden
@@ -43,10 +45,11 @@ _COUNTERS = ("accumulate_grad_batches",)
 class ExactResume(pl.Callback):
     """Saves the LightningModule's pending `.grad`, your `state` (a `@trainrec.record`, or
     None) and, with `rng=True`, the RNG states (`TorchRngRecord`: Python, numpy, torch CPU
-    and CUDA; Lightning's checkpoint keeps none) in every checkpoint, and restores them when
-    `trainer.fit(ckpt_path=...)` resumes: at `on_train_start` (after Lightning restored the
-    model, the optimizers and the loops) `.grad` is written and the RNG states applied;
-    `self.state` is replaced by the loaded state.
+    and CUDA, and the `generator=` of each train dataloader; Lightning's checkpoint keeps
+    none) in every checkpoint, and restores them when `trainer.fit(ckpt_path=...)` resumes:
+    at `on_train_start` (after Lightning restored the model, the optimizers and the loops)
+    `.grad` is written and `self.state` replaced by the loaded state; the RNG states go back
+    at the first `on_train_batch_start` (see there).
 
     A checkpoint that does not fit (another model, a changed file, a state of another type,
     another `accumulate_grad_batches` or `rng` setting, or written without this callback)
@@ -67,6 +70,7 @@ class ExactResume(pl.Callback):
         self.allow_replay = bool(allow_replay)
         self._trainer: pl.Trainer | None = None
         self._pending: Pending | None = None
+        self._rng: TorchRngRecord | None = None
 
     @property
     def state_key(self) -> str:
@@ -81,7 +85,7 @@ class ExactResume(pl.Callback):
                              "checkpoint; pass the callback to Trainer(callbacks=[...])")
         return pack(trainer.lightning_module, self.state,
                     {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)},
-                    rng=TorchRngRecord.capture() if self.rng else None)
+                    rng=TorchRngRecord.capture(*_generators(trainer)) if self.rng else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing: `on_load_checkpoint` reads the same entry and checks it first."""
@@ -133,11 +137,37 @@ class ExactResume(pl.Callback):
                 "trained on; use torchdata.stateful_dataloader.StatefulDataLoader, or pass "
                 "ExactResume(allow_replay=True) to accept the replay"
             )
+        generators = _generators(trainer)
+        if pending.rng is not None and len(pending.rng.generators) != len(generators):
+            raise RecordMismatchError(
+                f"Lightning checkpoint (trainrec ExactResume) holds the generators of "
+                f"{len(pending.rng.generators)} train dataloaders, the Trainer's have "
+                f"{len(generators)}: resume with the same dataloaders (generator= given or not)"
+            )
         pending.apply(pl_module)
         if self.state is not None:
             self.state = pending.state
-        if pending.rng is not None:
-            pending.rng.apply()
+        self._rng = pending.rng
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        """The RNG states go back once the resumed epoch's iterator exists: making it draws
+        from the loader's generator (or the global RNG), which the uninterrupted run did at
+        the start of the epoch, and restoring a `StatefulDataLoader` sets its generator to
+        the epoch's start; its state at the save is what the next epoch's shuffle needs."""
+        rng, self._rng = self._rng, None
+        if rng is not None:
+            rng.apply(*_generators(trainer))
+
+
+def _generators(trainer: pl.Trainer) -> list[torch.Generator]:
+    """The `generator=` of each train dataloader that has one, in order, each once."""
+    out: list[torch.Generator] = []
+    for dl in _leaves(trainer.train_dataloader):
+        g = getattr(dl, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not h for h in out):
+            out.append(g)
+    return out
 
 
 def _leaves(loaders: Any) -> list[Any]:
