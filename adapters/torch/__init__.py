@@ -11,6 +11,11 @@ DDP run's checkpoint, every rank's pending gradients and state included, as one 
 
 Importing this package imports no torch: each name is loaded on first use (so
 `trainrec.adapters.torch.neutral`, the conversion form, works without torch installed).
+The tool integrations are submodules imported by name, each needing its extra:
+`trainrec.adapters.torch.accelerate.ExactResume` (Hugging Face Accelerate's `save_state` /
+`load_state`, `trainrec[accelerate]`) and `trainrec.adapters.torch.lightning.ExactResume`
+(a Lightning `Callback`, `trainrec[lightning]`), which make a mid-window checkpoint of those
+tools resume bitwise.
 """
 
 from __future__ import annotations
