@@ -25,12 +25,12 @@ from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 from .bindings import _BACKEND, _expected
 from .placement import (
     abstract_error,
-    host_copy,
+    capture_tensor,
     is_abstract,
     is_array_like,
     key_data_like,
     key_impl_name,
-    place,
+    place_tensor,
     sharding_of,
 )
 
@@ -62,7 +62,7 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
             raise abstract_error(name)
     for name, leaf in _view(leaves).items():
         try:
-            item[name] = TensorData.from_array(host_copy(leaf), copy=False)
+            item[name] = capture_tensor(leaf)  # a ShardedTensor for one spanning processes
         except RecorderError:
             raise  # an array spanning other processes: host_copy says what to use
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
@@ -100,12 +100,12 @@ def rebuild(leaves: dict[str, Any], tensors: dict[str, TensorData], device: Any 
     dev = None
     for name, leaf in leaves.items():
         like = key_data_like(leaf) if is_key(leaf) else leaf
-        arr = np.asarray(tensors[name].array).astype(like.dtype)
         if is_array_like(leaf):
             if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
                 dev = _BACKEND.device(device)
-            value: Any = place(arr, leaf, dev)  # a key's sharding lays out its key data too
+            # a key's sharding lays out its key data too
+            value: Any = place_tensor(tensors[name], leaf, dev, like.dtype)
             out[name] = jax.random.wrap_key_data(value, impl=key_impl_name(leaf)) if is_key(leaf) else value
         else:
-            out[name] = np.array(arr)
+            out[name] = np.asarray(tensors[name].array).astype(like.dtype)
     return out
