@@ -408,6 +408,85 @@ def check_not_fully_addressable_is_captured_as_shards_only_orbax_saves() -> None
     assert back.params["w"].sharding == x.sharding and np.array_equal(np.asarray(back.params["w"]), np.asarray(x))
 
 
+def check_orbax_saves_shards_and_checks_each_shard() -> None:
+    """A record holding ShardedTensors (arrays captured as spanning other processes)
+    saved by OrbaxRecorder in one process: read whole (every shard's CRC checked) or into
+    a layout, equal to the array; a shards table edited in the file is refused."""
+    import json
+    import os
+    import tempfile
+
+    from jax._src.array import ArrayImpl
+
+    from trainrec.adapters.jax.orbax_recorder import _doc_crc, shardings_of
+
+    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh_of("same"), P("data")))
+    module = trj.JaxModule({"w": x})
+    original = ArrayImpl.is_fully_addressable
+    ArrayImpl.is_fully_addressable = property(lambda self: False)  # type: ignore[assignment,method-assign]
+    try:
+        record = module.into_record()
+    finally:
+        ArrayImpl.is_fully_addressable = original  # type: ignore[method-assign]
+    assert isinstance(record.item["w"], trainrec.ShardedTensor)
+    native = trainrec.NativePrecisionSettings()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt.orbax")
+        trj.OrbaxRecorder(native).save_item(record.item, path)
+        doc = json.loads(open(os.path.join(path, "trainrec", "metadata")).read())
+        assert doc["version"] == [1, 1] and sorted(doc["shards"]["0"]) == ["0:2,0:2", "2:4,0:2", "4:6,0:2", "6:8,0:2"], doc
+        for recorder in (trj.OrbaxRecorder(native), trj.OrbaxRecorder(native, sharding=shardings_of(record.item))):
+            back = recorder.read(path)[1]["w"]
+            assert type(back) is trainrec.TensorData and np.array_equal(back.array, np.asarray(x)), recorder
+        live = trj.JaxModule({"w": jax.device_put(np.zeros((8, 2), np.float32), x.sharding)})
+        live.load_record(trainrec.StateRecord(record.kind, trj.OrbaxRecorder(native).read(path)[1]), None)
+        assert np.array_equal(np.asarray(live.params["w"]), np.asarray(x))
+        marker = os.path.join(path, "trainrec", "metadata")
+        good = open(marker).read()
+        edits = {"a shard missing": lambda d: d["shards"]["0"].pop("6:8,0:2"),
+                 "a shard outside": lambda d: d["shards"]["0"].update({"6:9,0:2": d["shards"]["0"].pop("6:8,0:2")}),
+                 "a shard CRC": lambda d: d["shards"]["0"].update({"0:2,0:2": d["shards"]["0"]["0:2,0:2"] ^ 1}),
+                 "a bad CRC type": lambda d: d["shards"]["0"].update({"0:2,0:2": "0"}),
+                 "a tensor index": lambda d: d["shards"].update({"7": d["shards"].pop("0")}),
+                 "the table's type": lambda d: d.update({"shards": []})}
+        for what, edit in edits.items():
+            doc = json.loads(good)
+            edit(doc)
+            doc["crc"] = _doc_crc(doc)
+            with open(marker, "w") as f:
+                json.dump(doc, f)
+            try:
+                trj.OrbaxRecorder(native).read(path)
+            except trainrec.CorruptRecordError as e:
+                want = "checksum mismatch" if what == "a shard CRC" else "shard"
+                assert want in str(e), (what, e)
+            else:
+                raise AssertionError(f"{what}: loaded")
+        with open(marker, "w") as f:
+            f.write(good)
+        assert trj.OrbaxRecorder(native).read(path)[1]["w"].bitwise_equal(
+            trainrec.TensorData.from_array(np.asarray(x)))
+
+
+def check_an_uncommitted_live_leaf_stays_uncommitted() -> None:
+    """optax's step count is made uncommitted (jnp.zeros): restored committed to one
+    device, a jitted step mixing it with arrays on a mesh fails; it must stay free."""
+    sh = NamedSharding(mesh_of("same"), P("data"))
+    params = {"w": jax.device_put(np.ones((8, 2), np.float32), sh)}
+    tx = optax.adam(0.1)
+    opt = trj.JaxOptimizer(tx, tx.init(params))
+    module = trj.JaxModule(params)
+    assert not opt.opt_state[0].count.committed
+    record = opt.into_record(module)
+    fresh = trj.JaxOptimizer(tx, tx.init(params))
+    fresh.load_record(record, module, None)
+    count = fresh.opt_state[0].count
+    assert not count.committed and int(count) == 0, count.sharding
+    assert fresh.opt_state[0].mu["w"].sharding == sh
+    step = jax.jit(lambda g, st, p: tx.update(g, st, p))
+    step(params, fresh.opt_state, params)  # mixed devices fail here with a committed count
+
+
 def checks(out: str) -> None:
     assert len(jax.devices()) == 8, f"{len(jax.devices())} devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     results = {}

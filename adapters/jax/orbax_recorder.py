@@ -21,6 +21,16 @@ items, committed together by Orbax's temporary directory and rename:
   each one stored in another); `crc` is the CRC-32 of the canonical JSON of everything
   else (sorted keys, no spaces), so no field can be edited unnoticed.
 
+A tensor captured across processes (a `ShardedTensor`: the shards this process holds of
+an array spanning other processes' devices) is given to Orbax as the global `jax.Array`
+rebuilt from those shards, so each process writes only its own; its `checksums` entry is
+unused and `shards` holds a CRC-32 per distinct shard (`{"tensor index": {"a:b,c:d":
+crc}}`), computed by the processes holding them and gathered from all of them. A load
+given a layout for it (`sharding`, e.g. `shardings_of(live record)`) reads into each
+process only its shards (a `ShardedTensor` again) and checks those, all processes failing
+together when one finds a damaged shard; without one it reads the array whole and checks
+every shard. A shard read in a layout other than the saved one has no CRC to check.
+
 A load checks, before it reads any array, that the directory is a finalized Orbax
 checkpoint, that the JSON item is whole, and that Orbax's array metadata has exactly the
 arrays, shapes and dtypes the table lists; then it reads every array to host memory as
@@ -107,7 +117,11 @@ class OrbaxRecorder(RecorderBase):
     hold with its current settings (64-bit ones without `jax_enable_x64`) stay host arrays.
 
     Multi-process: every process calls `save` / `load` with the same record and path
-    (as for any Orbax save); `jax.distributed.initialize` must have run.
+    (as for any Orbax save); `jax.distributed.initialize` must have run. A record's
+    `ShardedTensor`s (arrays captured across processes) are written each process its own
+    shards, on their own sharding (`sharding` does not apply to them); at load, `sharding`
+    gives the layout each is read into, each process reading only its shards
+    (`shardings_of(record)` builds that rule from a record of the live state).
     """
 
     suffix = ".orbax"  # the name ending `CheckpointManager` gives its checkpoints
