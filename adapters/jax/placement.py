@@ -116,10 +116,12 @@ def shards_of(x: jax.Array) -> dict[ShardIndex, TensorData]:
 
 
 def capture_tensor(x: Any) -> TensorData:
-    """A record of `x`'s values: a `TensorData` of its host copy, or for a `jax.Array`
-    that spans devices of other processes a `ShardedTensor` of the shards this process
-    holds."""
+    """A record of `x`'s values: a `TensorData` of its host copy (of one replica for an
+    array replicated over other processes' devices too), or for a `jax.Array` sharded
+    over devices of other processes a `ShardedTensor` of the shards this process holds."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_fully_replicated:  # every process holds all of it: a whole tensor
+            return TensorData.from_array(np.asarray(x.addressable_shards[0].data), copy=True)
         return ShardedTensor(DType.from_numpy(x.dtype), tuple(int(d) for d in x.shape),
                              shards_of(x), x.sharding)
     return TensorData.from_array(host_copy(x), copy=False)
