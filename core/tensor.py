@@ -204,8 +204,8 @@ class ShardedTensor(TensorData):
         raise RecorderError(
             f"a {self._dtype.value} tensor of shape {self._shape} sharded across processes (this "
             f"process holds {len(self.shards)} of its shards, not its whole values) can be saved "
-            "only by trainrec.adapters.jax.OrbaxRecorder, where each process writes its own "
-            "shards, and restored only into JAX arrays; nothing else can use it")
+            "only by OrbaxRecorder (of trainrec's JAX adapter), where each process writes its "
+            "own shards, and restored only into JAX arrays; nothing else can use it")
 
     @property
     def array(self) -> np.ndarray[Any, Any]:
