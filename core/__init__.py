@@ -59,7 +59,7 @@ from .recorders import (
 )
 from .records import RngRecord, StateRecord, record
 from .registry import Adapter, adapt, register_adapter
-from .tensor import TensorData
+from .tensor import ShardedTensor, TensorData
 from .training import RestoredTraining, TrainingRecord
 
 __all__ = [
@@ -112,6 +112,7 @@ __all__ = [
     "RngRecord",
     "StateRecord",
     "TensorData",
+    "ShardedTensor",
     "TrainingRecord",
     "UnsupportedVersionError",
     "adapt",

@@ -191,7 +191,7 @@ class GradientsAccumulator(Generic[M]):
         backend = self._require_backend()
         try:
             return GradientsParamsRecord(
-                {pid: _host(backend.to_host(t)) for pid, t in self._pending.items()}
+                {pid: _host(_to_tensor(backend, t)) for pid, t in self._pending.items()}
             )
         except RecorderError:
             raise
@@ -243,7 +243,9 @@ class GradientsAccumulator(Generic[M]):
                 )
             try:
                 where = dev if placements is None or pid not in placements else placements[pid]
-                staged[pid] = backend.from_host(t.array, where)
+                from_tensor = getattr(backend, "from_tensor", None)  # JAX: places shards
+                staged[pid] = (from_tensor(t, where) if callable(from_tensor)
+                               else backend.from_host(t.array, where))
             except RecorderError:
                 raise
             except Exception as e:
@@ -290,7 +292,18 @@ def _add(backend: AutodiffBackend, pending: Any, grad: Any, dtype: DType | None)
     return backend.add(pending, incoming)
 
 
+def _to_tensor(backend: AutodiffBackend, tensor: Any) -> Any:
+    """The backend's record of `tensor` (`to_tensor` where it has one: JAX, whose array
+    may span other processes), else its host copy."""
+    to_tensor = getattr(backend, "to_tensor", None)
+    return to_tensor(tensor) if callable(to_tensor) else backend.to_host(tensor)
+
+
 def _host(array: Any) -> TensorData:
+    """A backend's host copy as a tensor (a `ShardedTensor` it gave for a gradient that
+    spans other processes as it is)."""
+    if isinstance(array, TensorData):
+        return array
     return TensorData.from_array(array, copy=False)
 
 

@@ -94,7 +94,7 @@ from .records import RngRecord, StateRecord, check_tensor_map, expect_kind, kind
 from .registry import Adapter, adapt, register_adapter
 from .rules import PRESETS, Rule
 from .sniff import reader_of
-from .tensor import TensorData
+from .tensor import ShardedTensor, ShardIndex, TensorData
 from .training import TrainingRecord
 from .workload import Parts, Workload, train_until
 
@@ -137,6 +137,8 @@ __all__ = [
     "TENSOR_KEY",
     "TargetState",
     "TensorData",
+    "ShardedTensor",
+    "ShardIndex",
     "TensorTables",
     "TrainingRecord",
     "Workload",

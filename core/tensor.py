@@ -11,7 +11,7 @@ import numpy as np
 
 from .dtypes import DType
 
-__all__ = ["TensorData"]
+__all__ = ["TensorData", "ShardedTensor", "ShardIndex"]
 
 _Loader = Callable[[], "np.ndarray[Any, Any]"]
 
@@ -168,3 +168,70 @@ def _count(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+ShardIndex = tuple[tuple[int, int], ...]
+"""Where a shard sits in its global array: (start, stop) per axis."""
+
+
+class ShardedTensor(TensorData):
+    """A tensor this process holds only in part: its global dtype and shape, the distinct
+    shards its devices hold (`shards`: index -> host values) and the framework's layout
+    (`layout`, opaque here: a `jax.sharding.Sharding`).
+
+    Captured from a JAX array that spans devices of other processes. Only a recorder that
+    writes each process's shards (`trainrec.adapters.jax.OrbaxRecorder`) can save it, and
+    only a restore that places shards (the JAX adapter) can use it: everything that needs
+    the whole values (`array`, `read`, `take`, `to_bytes`, `cast`: every other recorder,
+    checksum, comparison or conversion) raises `RecorderError` saying so."""
+
+    __slots__ = ("layout", "shards")
+
+    def __init__(self, dtype: DType, shape: tuple[int, ...], shards: dict[ShardIndex, TensorData],
+                 layout: Any) -> None:
+        super().__init__(dtype, shape, self._refuse)
+        for index, part in shards.items():
+            want = tuple(b - a for a, b in index)
+            if len(index) != len(shape) or part.shape != want or part.dtype is not dtype:
+                raise ValueError(f"a shard at {index} of {part.dtype.value} {part.shape} does not "
+                                 f"fit a {dtype.value} tensor of shape {shape}")
+        self.shards = dict(shards)
+        self.layout = layout
+
+    def _refuse(self) -> np.ndarray[Any, Any]:
+        from .errors import RecorderError
+
+        raise RecorderError(
+            f"a {self._dtype.value} tensor of shape {self._shape} sharded across processes (this "
+            f"process holds {len(self.shards)} of its shards, not its whole values) can be saved "
+            "only by OrbaxRecorder (of trainrec's JAX adapter), where each process writes its "
+            "own shards, and restored only into JAX arrays; nothing else can use it")
+
+    @property
+    def array(self) -> np.ndarray[Any, Any]:
+        return self._refuse()
+
+    def read(self) -> np.ndarray[Any, Any]:
+        return self._refuse()
+
+    def take(self) -> np.ndarray[Any, Any]:
+        return self._refuse()
+
+    def to_bytes(self) -> bytes:
+        self._refuse()
+        return b""  # pragma: no cover - _refuse raises
+
+    def cast(self, dtype: DType) -> TensorData:
+        if dtype is self._dtype:
+            return self
+        return ShardedTensor(dtype, self._shape, {i: t.cast(dtype) for i, t in self.shards.items()},
+                             self.layout)
+
+    def bitwise_equal(self, other: TensorData) -> bool:
+        """Same dtype, global shape, shard indices and shard bytes."""
+        return (isinstance(other, ShardedTensor) and self._dtype is other._dtype
+                and self._shape == other._shape and self.shards.keys() == other.shards.keys()
+                and all(t.bitwise_equal(other.shards[i]) for i, t in self.shards.items()))
+
+    def __repr__(self) -> str:
+        return f"ShardedTensor({self._dtype.value}, shape={self._shape}, {len(self.shards)} shards here)"

@@ -326,33 +326,165 @@ def check_sharded_typed_keys_round_trip() -> None:
     assert np.array_equal(np.asarray(jax.random.key_data(got)), np.asarray(jax.random.key_data(keys)))
 
 
-def check_not_fully_addressable_is_refused() -> None:
+@trainrec.record
+class Step:
+    micro: int
+
+
+def check_not_fully_addressable_is_captured_as_shards_only_orbax_saves() -> None:
+    """An array spanning other processes is captured as a ShardedTensor (this process's
+    shards, global shape, sharding); every recorder but OrbaxRecorder and every consumer
+    of its values refuses it, naming OrbaxRecorder."""
+    import os
+    import tempfile
+
     from jax._src.array import ArrayImpl
-    x = jax.device_put(np.ones((8, 2), np.float32), NamedSharding(mesh_of("same"), P("data")))
+
+    from trainrec.envelope import crc_of
+    from trainrec.formats import known_formats
+    from trainrec.items import compare_items
+
+    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh_of("same"), P("data")))
     original = ArrayImpl.is_fully_addressable
-    ArrayImpl.is_fully_addressable = property(lambda self: False)  # type: ignore[assignment,method-assign]
     from flax import nnx
 
     linear = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
-    linear.kernel.set_value(jax.device_put(np.ones((8, 2), np.float32), x.sharding))
+    linear.kernel.set_value(x)
     acc: GradientsAccumulator[Any] = GradientsAccumulator()
     module = trj.JaxModule({"w": x})
     acc.accumulate(module, trainrec.GradientsParams({"w": x}))
     # as arrays spanning several JAX processes are: this process holds only its shards
     ArrayImpl.is_fully_addressable = property(lambda self: False)  # type: ignore[assignment,method-assign]
     try:
-        captures = {"JaxModule": module.into_record, "NnxModule": trj.NnxModule(linear).into_record,
-                    "pending gradients": acc.try_to_record,
-                    "pending gradients (async)": lambda: asyncio.run(acc.to_record_async())}
-        for what, capture in captures.items():
-            try:
-                capture()
-            except trainrec.RecorderError as e:
-                assert "OrbaxRecorder" in str(e) and "other JAX processes" in str(e), f"{what}: {e}"
-            else:
-                raise AssertionError(f"{what}: no RecorderError")
+        captures = {"JaxModule": lambda: module.into_record().item["w"],
+                    "NnxModule": lambda: trj.NnxModule(linear).into_record().item["kernel"],
+                    "pending gradients": lambda: acc.try_to_record().grads["w"],
+                    "pending gradients (async)": lambda: asyncio.run(acc.to_record_async()).grads["w"]}
+        got = {what: capture() for what, capture in captures.items()}
+        record = TrainingRecord.capture(module, trj.JaxOptimizer(optax.sgd(0.1), optax.sgd(0.1).init({"w": x})),
+                                        None, acc, Step(3))
     finally:
         ArrayImpl.is_fully_addressable = original  # type: ignore[method-assign]
+    want = sorted({tuple((s.start or 0, d if s.stop is None else s.stop) for s, d in zip(i, x.shape))
+                   for i in x.sharding.devices_indices_map(x.shape).values()})
+    assert len(want) > 1, want
+    for what, t in got.items():
+        assert isinstance(t, trainrec.ShardedTensor), (what, t)
+        assert t.shape == (8, 2) and t.dtype is trainrec.DType.F32 and t.layout == x.sharding, (what, t)
+        assert sorted(t.shards) == want, (what, sorted(t.shards))
+        assert all(np.array_equal(p.array, np.asarray(x)[i0:i1, j0:j1])
+                   for ((i0, i1), (j0, j1)), p in t.shards.items()), what
+
+    def refuses(what: str, fn: Any) -> None:
+        try:
+            fn()
+        except trainrec.RecorderError as e:
+            assert "OrbaxRecorder" in str(e) and "sharded across processes" in str(e), f"{what}: {e}"
+        else:
+            raise AssertionError(f"{what}: no RecorderError")
+
+    t = got["JaxModule"]
+    for what, fn in {"array": lambda: t.array, "read": t.read, "take": t.take, "to_bytes": t.to_bytes,
+                     "cast": lambda: t.cast(trainrec.DType.F16).array,
+                     "compare_items": lambda: compare_items({"w": t}, {"w": t}),
+                     "crc": lambda: crc_of(t)}.items():
+        refuses(what, fn)
+    item = record.into_item(trainrec.NativePrecisionSettings())
+    writers = [f for f in known_formats() if not f.marker]  # every file format (Orbax: a directory)
+    assert len(writers) >= 4, [f.name for f in writers]
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in writers:
+            try:
+                recorder = fmt.new_recorder(trainrec.NativePrecisionSettings())
+            except trainrec.RecorderError:
+                continue  # its framework is not installed here
+            path = os.path.join(tmp, "ckpt" + fmt.extensions[0])
+            refuses(f"{fmt.name} save", lambda r=recorder, p=path: record.save(r, p))
+            refuses(f"{fmt.name} save_item", lambda r=recorder, p=path: r.save_item(item, p))
+            assert not os.path.exists(path), fmt.name
+    # restoring the shards builds the array on its sharding again
+    back = trj.JaxModule({"w": jax.device_put(np.zeros((8, 2), np.float32), x.sharding)})
+    back.load_record(record.model, None)
+    assert back.params["w"].sharding == x.sharding and np.array_equal(np.asarray(back.params["w"]), np.asarray(x))
+
+
+def check_orbax_saves_shards_and_checks_each_shard() -> None:
+    """A record holding ShardedTensors (arrays captured as spanning other processes)
+    saved by OrbaxRecorder in one process: read whole (every shard's CRC checked) or into
+    a layout, equal to the array; a shards table edited in the file is refused."""
+    import json
+    import os
+    import tempfile
+
+    from jax._src.array import ArrayImpl
+
+    from trainrec.adapters.jax.orbax_recorder import _doc_crc, shardings_of
+
+    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh_of("same"), P("data")))
+    module = trj.JaxModule({"w": x})
+    original = ArrayImpl.is_fully_addressable
+    ArrayImpl.is_fully_addressable = property(lambda self: False)  # type: ignore[assignment,method-assign]
+    try:
+        record = module.into_record()
+    finally:
+        ArrayImpl.is_fully_addressable = original  # type: ignore[method-assign]
+    assert isinstance(record.item["w"], trainrec.ShardedTensor)
+    native = trainrec.NativePrecisionSettings()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt.orbax")
+        trj.OrbaxRecorder(native).save_item(record.item, path)
+        doc = json.loads(open(os.path.join(path, "trainrec", "metadata")).read())
+        assert doc["version"] == [1, 1] and sorted(doc["shards"]["0"]) == ["0:2,0:2", "2:4,0:2", "4:6,0:2", "6:8,0:2"], doc
+        for recorder in (trj.OrbaxRecorder(native), trj.OrbaxRecorder(native, sharding=shardings_of(record.item))):
+            back = recorder.read(path)[1]["w"]
+            assert type(back) is trainrec.TensorData and np.array_equal(back.array, np.asarray(x)), recorder
+        live = trj.JaxModule({"w": jax.device_put(np.zeros((8, 2), np.float32), x.sharding)})
+        live.load_record(trainrec.StateRecord(record.kind, trj.OrbaxRecorder(native).read(path)[1]), None)
+        assert np.array_equal(np.asarray(live.params["w"]), np.asarray(x))
+        marker = os.path.join(path, "trainrec", "metadata")
+        good = open(marker).read()
+        edits = {"a shard missing": lambda d: d["shards"]["0"].pop("6:8,0:2"),
+                 "a shard outside": lambda d: d["shards"]["0"].update({"6:9,0:2": d["shards"]["0"].pop("6:8,0:2")}),
+                 "a shard CRC": lambda d: d["shards"]["0"].update({"0:2,0:2": d["shards"]["0"]["0:2,0:2"] ^ 1}),
+                 "a bad CRC type": lambda d: d["shards"]["0"].update({"0:2,0:2": "0"}),
+                 "a tensor index": lambda d: d["shards"].update({"7": d["shards"].pop("0")}),
+                 "the table's type": lambda d: d.update({"shards": []})}
+        for what, edit in edits.items():
+            doc = json.loads(good)
+            edit(doc)
+            doc["crc"] = _doc_crc(doc)
+            with open(marker, "w") as f:
+                json.dump(doc, f)
+            try:
+                trj.OrbaxRecorder(native).read(path)
+            except trainrec.CorruptRecordError as e:
+                want = "checksum mismatch" if what == "a shard CRC" else "shard"
+                assert want in str(e), (what, e)
+            else:
+                raise AssertionError(f"{what}: loaded")
+        with open(marker, "w") as f:
+            f.write(good)
+        assert trj.OrbaxRecorder(native).read(path)[1]["w"].bitwise_equal(
+            trainrec.TensorData.from_array(np.asarray(x)))
+
+
+def check_an_uncommitted_live_leaf_stays_uncommitted() -> None:
+    """optax's step count is made uncommitted (jnp.zeros): restored committed to one
+    device, a jitted step mixing it with arrays on a mesh fails; it must stay free."""
+    sh = NamedSharding(mesh_of("same"), P("data"))
+    params = {"w": jax.device_put(np.ones((8, 2), np.float32), sh)}
+    tx = optax.adam(0.1)
+    opt = trj.JaxOptimizer(tx, tx.init(params))
+    module = trj.JaxModule(params)
+    assert not opt.opt_state[0].count.committed
+    record = opt.into_record(module)
+    fresh = trj.JaxOptimizer(tx, tx.init(params))
+    fresh.load_record(record, module, None)
+    count = fresh.opt_state[0].count
+    assert not count.committed and int(count) == 0, count.sharding
+    assert fresh.opt_state[0].mu["w"].sharding == sh
+    step = jax.jit(lambda g, st, p: tx.update(g, st, p))
+    step(params, fresh.opt_state, params)  # mixed devices fail here with a committed count
 
 
 def checks(out: str) -> None:

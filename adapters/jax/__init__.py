@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     )
     from .equinox import EqxModule
     from .nnx import NnxModule, NnxOptimizer
-    from .orbax_recorder import OrbaxRecorder
+    from .orbax_recorder import OrbaxRecorder, shardings_of
     from .recorder import FlaxMsgpackFileRecorder
     from .restore import restore_tree
     from .rng import JaxRngRecord
@@ -60,6 +60,7 @@ __all__ = [
     "accumulate_tree",
     "grads_from",
     "restore_tree",
+    "shardings_of",
     "to_tree",
 ]
 
@@ -68,7 +69,7 @@ _HOME["FlaxMsgpackFileRecorder"] = "recorder"
 _HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
 _HOME["JaxRngRecord"] = "rng"
 _HOME["restore_tree"] = "restore"
-_HOME["OrbaxRecorder"] = "orbax_recorder"
+_HOME["OrbaxRecorder"] = _HOME["shardings_of"] = "orbax_recorder"
 
 
 def __getattr__(name: str) -> Any:

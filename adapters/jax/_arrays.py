@@ -24,7 +24,14 @@ from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
 from .bindings import _BACKEND, _expected
-from .placement import abstract_error, host_copy, is_abstract, is_array_like, place, sharding_of
+from .placement import (
+    abstract_error,
+    capture_tensor,
+    is_abstract,
+    is_array_like,
+    place_tensor,
+    sharding_of,
+)
 from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 LEGACY_RNG_IMPL_KEY = "#rng_impl"  # the earlier form: {ParamId: implementation name}
@@ -41,9 +48,9 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
     for name, leaf in leaves.items():
         try:
             item[name] = key_item(leaf, name) if is_typed_key(leaf) else \
-                TensorData.from_array(host_copy(leaf), copy=False)
+                capture_tensor(leaf)  # a ShardedTensor for one spanning processes
         except RecorderError:
-            raise  # an array spanning other processes: host_copy says what to use
+            raise
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
             raise TypeError(f"leaf {name!r} ({type(leaf).__name__}) cannot be recorded: {e}; {hint}") from e
     return StateRecord(kind, item)
@@ -113,11 +120,10 @@ def rebuild(leaves: dict[str, Any], recorded: dict[str, Item], device: Any = Non
             out[name] = key_from_item(value, leaf, name)  # placed by the key's sharding
             continue
         assert isinstance(value, TensorData)
-        arr = np.asarray(value.array).astype(leaf.dtype)
         if is_array_like(leaf):
             if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
                 dev = _BACKEND.device(device)
-            out[name] = place(arr, leaf, dev)
+            out[name] = place_tensor(value, leaf, dev, leaf.dtype)
         else:
-            out[name] = np.array(arr)
+            out[name] = np.array(np.asarray(value.array).astype(leaf.dtype))
     return out

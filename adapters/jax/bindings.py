@@ -28,10 +28,11 @@ from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, s
 from .neutral import TRANSFORMS_KEY
 from .placement import (
     abstract_error,
+    capture_tensor,
     host_copy,
     is_abstract,
     is_array_like,
-    place,
+    place_tensor,
     sharding_of,
     start_host_copy,
 )
@@ -116,7 +117,21 @@ class JaxBackend:
                             "`rng: JaxRngRecord | None`)")
         return host_copy(tensor)  # a sharded array shard by shard, never gathered
 
+    def to_tensor(self, tensor: Any) -> TensorData:
+        """A record of `tensor`: a `ShardedTensor` (this process's shards) for an array
+        that spans other processes, else its host copy."""
+        if is_typed_key(tensor):
+            self.to_host(tensor)  # raises, naming JaxRngRecord
+        return capture_tensor(tensor)
+
+    def from_tensor(self, tensor: TensorData, device: Any) -> jax.Array:
+        """A new array of `tensor` laid out by `device` (a device or a sharding); a
+        `ShardedTensor` built from its shards."""
+        return place_tensor(tensor, None, self.device(device), tensor.dtype.numpy)
+
     async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
+        if isinstance(tensor, jax.Array) and not tensor.is_fully_addressable:
+            return self.to_tensor(tensor)  # type: ignore[return-value]  # the accumulator keeps it
         if isinstance(tensor, jax.Array) and not is_typed_key(tensor):
             start_host_copy(tensor)  # each distinct shard, not the replicas
             while not tensor.is_ready():  # type: ignore[attr-defined]  # missing from jax.Array's stub
@@ -204,7 +219,9 @@ def _host(leaf: Any, name: str = "") -> Item:
     if is_typed_key(leaf):  # nnx RngKey variables: {impl, data}, restored exactly
         return key_item(leaf)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        return TensorData.from_array(np.asarray(_BACKEND.to_host(leaf)), copy=False)
+        if is_typed_key(leaf):
+            _BACKEND.to_host(leaf)  # raises, naming JaxRngRecord
+        return capture_tensor(leaf)  # a ShardedTensor for an array spanning other processes
     if leaf is None or isinstance(leaf, (bool, int, float, str)):
         return leaf
     raise TypeError(f"pytree leaf of type {type(leaf).__name__} cannot be recorded")
@@ -232,13 +249,12 @@ def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], devi
         if is_typed_key(leaf):
             new.append(key_from_item(value, leaf, name))
         elif isinstance(value, TensorData):
-            arr = np.asarray(value.array).astype(_dtype(leaf))
             if is_array_like(leaf):
                 if dev is None and sharding_of(leaf) is None:
                     dev = _BACKEND.device(device)
-                new.append(place(arr, leaf, dev))
+                new.append(place_tensor(value, leaf, dev, _dtype(leaf)))
             else:
-                new.append(np.array(arr))
+                new.append(np.asarray(value.array).astype(_dtype(leaf)))
         else:
             new.append(value)
     return jax.tree_util.tree_unflatten(treedef, new)

@@ -21,6 +21,16 @@ items, committed together by Orbax's temporary directory and rename:
   each one stored in another); `crc` is the CRC-32 of the canonical JSON of everything
   else (sorted keys, no spaces), so no field can be edited unnoticed.
 
+A tensor captured across processes (a `ShardedTensor`: the shards this process holds of
+an array spanning other processes' devices) is given to Orbax as the global `jax.Array`
+rebuilt from those shards, so each process writes only its own; its `checksums` entry is
+unused and `shards` holds a CRC-32 per distinct shard (`{"tensor index": {"a:b,c:d":
+crc}}`), computed by the processes holding them and gathered from all of them. A load
+given a layout for it (`sharding`, e.g. `shardings_of(live record)`) reads into each
+process only its shards (a `ShardedTensor` again) and checks those, all processes failing
+together when one finds a damaged shard; without one it reads the array whole and checks
+every shard. A shard read in a layout other than the saved one has no CRC to check.
+
 A load checks, before it reads any array, that the directory is a finalized Orbax
 checkpoint, that the JSON item is whole, and that Orbax's array metadata has exactly the
 arrays, shapes and dtypes the table lists; then it reads every array to host memory as
@@ -51,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from trainrec import CorruptRecordError, FileMissingError, RecorderError, TensorData
+from trainrec import ChecksumError, CorruptRecordError, FileMissingError, RecorderError, TensorData
 from trainrec.adapter_kit import (
     TENSOR_KEY,
     DType,
@@ -59,6 +69,8 @@ from trainrec.adapter_kit import (
     Item,
     PrecisionSettings,
     RecorderBase,
+    ShardedTensor,
+    ShardIndex,
     TensorTables,
     check_item,
     crc32,
@@ -70,13 +82,12 @@ from trainrec.adapter_kit import (
     reader_of,
     restore_dtypes,
     store_tensor,
-    verify_checksums,
 )
 
-__all__ = ["OrbaxRecorder", "FORMAT", "VERSION", "read_orbax", "MAX_JSON_BYTES"]
+__all__ = ["OrbaxRecorder", "FORMAT", "VERSION", "read_orbax", "MAX_JSON_BYTES", "shardings_of"]
 
 FORMAT = "trainrec.orbax"
-VERSION = (1, 0)
+VERSION = (1, 1)  # 1.1: the `shards` table (tensors captured across processes)
 ARRAYS_ITEM = "arrays"
 JSON_ITEM = "trainrec"
 JSON_FILE = "metadata"  # the file `ocp.args.JsonSave` writes inside its item's directory
@@ -105,7 +116,11 @@ class OrbaxRecorder(RecorderBase):
     hold with its current settings (64-bit ones without `jax_enable_x64`) stay host arrays.
 
     Multi-process: every process calls `save` / `load` with the same record and path
-    (as for any Orbax save); `jax.distributed.initialize` must have run.
+    (as for any Orbax save); `jax.distributed.initialize` must have run. A record's
+    `ShardedTensor`s (arrays captured across processes) are written each process its own
+    shards, on their own sharding (`sharding` does not apply to them); at load, `sharding`
+    gives the layout each is read into, each process reading only its shards
+    (`shardings_of(record)` builds that rule from a record of the live state).
     """
 
     suffix = ".orbax"  # the name ending `CheckpointManager` gives its checkpoints
@@ -131,21 +146,33 @@ class OrbaxRecorder(RecorderBase):
         tables = TensorTables()
         table: list[list[Any]] = []
         arrays: dict[str, Any] = {}
+        local: dict[str, dict[str, int]] = {}  # a sharded tensor's CRC per shard this process holds
         for index, (key, tensor) in enumerate(iter_tensors(item)):
-            stored = store_tensor(tensor, self.settings, key=key, allow_lossy=allow_lossy,
-                                  recorder=self.native_name())
-            tables.add(tensor, stored)
-            name = None
-            if stored.numel:
-                name = f"{index:06d}"
-                arrays[name] = self._placed(key, stored, source)
+            name = f"{index:06d}" if tensor.numel else None
+            if isinstance(tensor, ShardedTensor):
+                parts = self._store_shards(key, tensor, allow_lossy)
+                tables.dtypes.append(None if parts.dtype is tensor.dtype else tensor.dtype.value)
+                tables.checksums.append(0)  # unused: the shards table holds its CRCs
+                local[str(index)] = {_index_text(i): crc32(_bytes_of(t))
+                                     for i, t in parts.shards.items()}
+                if name is not None:
+                    arrays[name] = _global_array(parts, source, key)
+                stored: TensorData = parts
+            else:
+                stored = store_tensor(tensor, self.settings, key=key, allow_lossy=allow_lossy,
+                                      recorder=self.native_name())
+                tables.add(tensor, stored)
+                if name is not None:
+                    arrays[name] = self._placed(key, stored, source)
             table.append([key, list(stored.shape), stored.dtype.value, name])
+        shards = _merged_shard_crcs(local, item, source)
         doc: dict[str, Any] = {
             **header_fields(FORMAT, VERSION, self.settings, record_type),
             "item": _encode(item),
             "tensors": table,
             "checksums": tables.checksums,
             "dtypes": tables.dtypes,
+            "shards": shards,
         }
         doc["crc"] = _doc_crc(doc)
         size = len(json.dumps(doc))  # as `JsonSave` writes it
@@ -191,6 +218,13 @@ class OrbaxRecorder(RecorderBase):
                                 source=source) from e
         return path
 
+    def _store_shards(self, key: str, t: ShardedTensor, allow_lossy: bool) -> ShardedTensor:
+        """`t` with each shard in the dtype the settings store it in."""
+        parts = {i: store_tensor(part, self.settings, key=key, allow_lossy=allow_lossy,
+                                 recorder=self.native_name()) for i, part in t.shards.items()}
+        dtype = self.settings.target(t.dtype)
+        return ShardedTensor(dtype, t.shape, parts, t.layout)
+
     def _placed(self, key: str, t: TensorData, source: str) -> Any:
         """The array Orbax is given for tensor `t`: a host array, or a global `jax.Array`
         laid out by this recorder's sharding."""
@@ -217,36 +251,72 @@ class OrbaxRecorder(RecorderBase):
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         """Header and item of an Orbax checkpoint this recorder wrote; every tensor is read
         into host memory (`mmap` is accepted and ignored: Orbax reads through
-        tensorstore)."""
-        return read_orbax(path_arg(args), mmap)
+        tensorstore), except a tensor saved from shards (a `ShardedTensor`) to which this
+        recorder's `sharding` gives a sharding: each process reads only the shards its
+        devices hold in that layout, and gets a `ShardedTensor` back."""
+        return read_orbax(path_arg(args), mmap, sharding=self._sharding)
 
 
-def read_orbax(path: Path, mmap: bool = False) -> tuple[Header, Item]:
+def shardings_of(record: Any) -> ShardingRule:
+    """The layout of every tensor `record` (a record, or an item) holds as shards: a rule
+    for `OrbaxRecorder(sharding=...)`, so that a load reads into each process only the
+    shards the live arrays put there. Capture the live (initialised) state and pass its
+    record: `OrbaxRecorder(sharding=shardings_of(TrainingRecord.capture(...)))`."""
+    from trainrec import NativePrecisionSettings
+
+    item: Item = record.into_item(NativePrecisionSettings()) if hasattr(record, "into_item") else record
+    layouts = {key: t for key, t in iter_tensors(item) if isinstance(t, ShardedTensor)}
+
+    def rule(key: str, shape: tuple[int, ...]) -> Any:
+        t = layouts.get(key)
+        return t.layout if t is not None and t.shape == tuple(shape) else None
+
+    return rule
+
+
+def read_orbax(path: Path, mmap: bool = False, *,
+               sharding: Sharding | ShardingRule | None = None) -> tuple[Header, Item]:
     """Header and item of a trainrec Orbax checkpoint (the `trainrec.orbax` format's
     reader). Raises `FileMissingError` for a missing path, `CorruptRecordError` for a
-    file, a directory that is not a whole trainrec Orbax checkpoint, or any damage."""
+    file, a directory that is not a whole trainrec Orbax checkpoint, or any damage.
+    `sharding` (as `OrbaxRecorder`'s): the layout a tensor saved from shards is read
+    into, each process reading its own shards; None: every tensor whole."""
     source = str(path)
     path = Path(os.path.abspath(path))  # Orbax takes absolute paths only
     doc = _read_doc(path, source)
     header = parse_header(doc, FORMAT, VERSION[0], source)
     table = _table(doc, source)
-    arrays = _read_arrays(path, table, source)
+    shard_crcs = _shard_table(doc, table, source)
+    layouts = _read_layouts(table, shard_crcs, sharding)
+    arrays = _read_arrays(path, table, source, layouts)
     tensors: list[TensorData] = []
-    for key, shape, dtype, name in table:
+    damaged: ChecksumError | None = None  # a shard this process read, checked by it alone
+    for i, (key, shape, dtype, name) in enumerate(table):
         if name is None:
-            arr = np.zeros(shape, dtype.numpy)
+            arr: Any = np.zeros(shape, dtype.numpy)
         else:
             arr = arrays[name]
             if arr.dtype != dtype.numpy or tuple(arr.shape) != tuple(shape):
                 raise CorruptRecordError(
                     f"Orbax gave a {arr.dtype} array of shape {tuple(arr.shape)}, the table says "
                     f"{dtype.value} {tuple(shape)}", source=source, key=f"item.{key}")
-        tensors.append(TensorData.from_array(arr, copy=False))
+        if i not in shard_crcs:
+            tensors.append(TensorData.from_array(arr, copy=False))
+            continue
+        try:
+            tensors.append(_verified_shards(arr, shard_crcs[i], source, key))
+        except ChecksumError as e:
+            damaged = damaged or e
+            tensors.append(TensorData.from_array(np.zeros(shape, dtype.numpy)))  # not returned
+    if layouts:  # each process checked only its own shards: all fail if one does
+        _agree(damaged, source)
+    elif damaged is not None:
+        raise damaged
     item = _decode(doc["item"], tensors, source)
     if len(list(iter_tensors(item))) != len(tensors):
         raise CorruptRecordError("the item does not refer to every tensor of the table once",
                                  source=source, key="item")
-    verify_checksums(item, doc["checksums"], source)
+    _verify(item, doc["checksums"], shard_crcs, source)
     return header, restore_dtypes(item, doc.get("dtypes"), source)
 
 
@@ -424,7 +494,8 @@ def _table(doc: dict[str, Any], source: str) -> list[_Row]:
     return out
 
 
-def _read_arrays(path: Path, table: list[_Row], source: str) -> dict[str, np.ndarray[Any, Any]]:
+def _read_arrays(path: Path, table: list[_Row], source: str,
+                 layouts: dict[str, Any] | None = None) -> dict[str, Any]:
     expected = {name: (shape, dtype) for _, shape, dtype, name in table if name is not None}
     if not expected:
         return {}
@@ -452,7 +523,12 @@ def _read_arrays(path: Path, table: list[_Row], source: str) -> dict[str, np.nda
     if problems:
         raise CorruptRecordError("the arrays do not match the tensor table: " + "; ".join(problems),
                                  source=source, key=ARRAYS_ITEM)
-    restore = {name: ocp.RestoreArgs(restore_type=np.ndarray) for name in expected}
+    layouts = layouts or {}
+    restore: dict[str, Any] = {
+        name: (ocp.ArrayRestoreArgs(sharding=layouts[name], global_shape=tuple(expected[name][0]),
+                                    dtype=expected[name][1].numpy)
+               if name in layouts else ocp.RestoreArgs(restore_type=np.ndarray))
+        for name in expected}
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
             got_items = ckptr.restore(path, args=ocp.args.Composite(
@@ -461,7 +537,199 @@ def _read_arrays(path: Path, table: list[_Row], source: str) -> dict[str, np.nda
     except Exception as e:  # tensorstore's errors for missing or damaged chunks
         raise CorruptRecordError(f"Orbax cannot read the arrays: {_said(e)}",
                                  source=source, key=ARRAYS_ITEM) from e
-    return {k: np.asarray(v) for k, v in restored.items()}
+    return {k: v if k in layouts else np.asarray(v) for k, v in restored.items()}
+
+
+# -- tensors saved from shards ----------------------------------------------------------------
+
+
+def _index_text(index: ShardIndex) -> str:
+    """A shard's place as text, `"0:4,0:8"` (start:stop per axis; `""` for a scalar)."""
+    return ",".join(f"{a}:{b}" for a, b in index)
+
+
+def _parse_index(text: Any, shape: tuple[int, ...]) -> ShardIndex | None:
+    """The shard index `text` names inside `shape`, None when it is malformed or outside."""
+    if not isinstance(text, str):
+        return None
+    parts = text.split(",") if text else []
+    if len(parts) != len(shape):
+        return None
+    out = []
+    for part, n in zip(parts, shape):
+        a, sep, b = part.partition(":")
+        if not (sep and a.isdigit() and b.isdigit() and int(a) <= int(b) <= n):
+            return None
+        out.append((int(a), int(b)))
+    return tuple(out)
+
+
+def _bytes_of(t: TensorData) -> Any:
+    return t.array.reshape(-1).view(np.uint8).data
+
+
+def _global_array(t: ShardedTensor, source: str, key: str) -> Any:
+    """The global `jax.Array` Orbax is given for `t`: this process's devices get its
+    shards (`jax.make_array_from_single_device_arrays`), so each process writes its own."""
+    from .placement import global_array
+
+    try:
+        return global_array(t)
+    except RecorderError as e:
+        raise RecorderError(str(e), source=source, key=key) from None
+    except (ValueError, TypeError) as e:
+        raise RecorderError(f"cannot rebuild the global array from this process's shards: {e}",
+                            source=source, key=key) from e
+
+
+def _all_processes(local: Any) -> list[Any]:
+    """`local` (JSON data) of every JAX process, in process order (a collective: every
+    process calls it)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [local]
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(local, sort_keys=True).encode("ascii"), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(every[p, : int(n)])) for p, n in enumerate(sizes)]
+
+
+def _merged_shard_crcs(local: dict[str, dict[str, int]], item: Item,
+                       source: str) -> dict[str, dict[str, int]]:
+    """The `shards` table: for each tensor saved from shards (by tensor index), the
+    CRC-32 of each distinct shard, gathered from every process (each computes those its
+    devices hold). Raises `RecorderError` when two processes hold different bytes for one
+    shard or when no process holds one."""
+    if not local:
+        return {}
+    merged: dict[str, dict[str, int]] = {}
+    for part in _all_processes(local):
+        for index, crcs in part.items():
+            into = merged.setdefault(index, {})
+            for where, crc in crcs.items():
+                if into.setdefault(where, crc) != crc:
+                    raise RecorderError(f"two processes hold different values for the shard at "
+                                        f"[{where}] of tensor {index}", source=source)
+    tensors = list(iter_tensors(item))
+    for index, crcs in merged.items():
+        key, t = tensors[int(index)]
+        assert isinstance(t, ShardedTensor), key  # every process captured the same record
+        layout = t.layout.devices_indices_map(t.shape).values()
+        from .placement import shard_index
+
+        want = {_index_text(shard_index(i, t.shape)) for i in layout}
+        if want != set(crcs):
+            raise RecorderError(f"the processes hold shards {sorted(crcs)} of a tensor laid out "
+                                f"in {sorted(want)}", source=source, key=key)
+    return merged
+
+
+def _shard_table(doc: dict[str, Any], table: list[_Row], source: str) -> dict[int, dict[ShardIndex, int]]:
+    """The `shards` table by tensor index, each shard's index parsed; `CorruptRecordError`
+    for a malformed one (absent: a 1.0 checkpoint, every tensor whole)."""
+    raw = doc.get("shards", {})
+    if not isinstance(raw, dict):
+        raise CorruptRecordError("malformed shards table", source=source, key="shards")
+    out: dict[int, dict[ShardIndex, int]] = {}
+    for index, crcs in raw.items():
+        i = int(index) if isinstance(index, str) and index.isdigit() else -1
+        if not 0 <= i < len(table) or not isinstance(crcs, dict) or not crcs:
+            raise CorruptRecordError(f"malformed shards table entry {index!r}", source=source,
+                                     key="shards")
+        shape = table[i][1]
+        parsed: dict[ShardIndex, int] = {}
+        for where, crc in crcs.items():
+            at = _parse_index(where, shape)
+            if at is None or type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
+                raise CorruptRecordError(f"malformed shard [{where}] of tensor {index}",
+                                         source=source, key="shards")
+            parsed[at] = crc
+        if sum(math.prod(b - a for a, b in at) for at in parsed) != math.prod(shape):
+            raise CorruptRecordError(f"the shards of tensor {index} do not tile its shape {shape}",
+                                     source=source, key="shards")
+        out[i] = parsed
+    return out
+
+
+def _read_layouts(table: list[_Row], shard_crcs: dict[int, dict[ShardIndex, int]],
+                  sharding: Sharding | ShardingRule | None) -> dict[str, Any]:
+    """The sharding each array saved from shards is read into (by array name): the
+    rule's; the others are read whole."""
+    if sharding is None or not shard_crcs:
+        return {}
+    import jax
+
+    out: dict[str, Any] = {}
+    for i, (key, shape, _, name) in enumerate(table):
+        if i in shard_crcs and name is not None:
+            layout = sharding if isinstance(sharding, jax.sharding.Sharding) else sharding(key, shape)
+            if layout is not None:
+                if not isinstance(layout, jax.sharding.Sharding):
+                    raise TypeError(f"the sharding rule gave {type(layout).__name__} for {key!r}, "
+                                    "not a jax.sharding.Sharding or None")
+                out[name] = layout
+    return out
+
+
+def _verified_shards(arr: Any, crcs: dict[ShardIndex, int], source: str, key: str) -> TensorData:
+    """The tensor of an array saved from shards, each shard checked against its CRC: a
+    whole array (read whole, or a layout this process holds all of) as a `TensorData`,
+    every saved shard cut from it and checked; a global array spanning other processes
+    as a `ShardedTensor` of this process's shards, those in the saved layout checked (a
+    shard of another layout has no CRC to check)."""
+    from .placement import host_copy, shards_of
+
+    if isinstance(arr, np.ndarray) or arr.is_fully_addressable:
+        whole = arr if isinstance(arr, np.ndarray) else host_copy(arr)
+        for at, crc in crcs.items():
+            part = TensorData.from_array(whole[tuple(slice(a, b) for a, b in at)])
+            _check_crc(part, crc, at, source, key)
+        return TensorData.from_array(whole, copy=False)
+    parts = shards_of(arr)
+    for at, part in parts.items():
+        if at in crcs:
+            _check_crc(part, crcs[at], at, source, key)
+
+    return ShardedTensor(DType.from_numpy(arr.dtype), tuple(arr.shape), parts, arr.sharding)
+
+
+def _agree(damaged: ChecksumError | None, source: str) -> None:
+    """Raise in every process when any found a damaged shard (a collective: a process
+    that failed alone would leave the others waiting in their next one)."""
+    reports = _all_processes(None if damaged is None else str(damaged))
+    for process, report in enumerate(reports):
+        if report is not None:
+            raise ChecksumError(f"process {process} read a damaged shard: {report}",
+                                source=source) from damaged
+
+
+def _check_crc(part: TensorData, crc: int, at: ShardIndex, source: str, key: str) -> None:
+    got = crc32(_bytes_of(part))
+    if got != crc:
+        raise ChecksumError(f"shard [{_index_text(at)}] checksum mismatch (stored {crc:#010x}, "
+                            f"computed {got:#010x})", source=source, key=f"item.{key}")
+
+
+def _verify(item: Item, checksums: Any, sharded: dict[int, Any], source: str) -> None:
+    """Each whole tensor against its CRC-32 in `checksums` (one entry per tensor, in
+    order; a tensor saved from shards was checked shard by shard)."""
+    found = list(iter_tensors(item))
+    if not isinstance(checksums, list) or len(checksums) != len(found):
+        raise CorruptRecordError(
+            f"the checksum table does not match the tensors (a list of {len(found)} "
+            f"CRC-32 values, one per tensor in order)", source=source, key="checksums")
+    if not all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in checksums):
+        raise CorruptRecordError("malformed checksum table", source=source, key="checksums")
+    for i, ((key, t), stored) in enumerate(zip(found, checksums)):
+        got = None if i in sharded else crc32(_bytes_of(t))
+        if got is not None and got != stored:
+            raise ChecksumError(f"tensor checksum mismatch (stored {stored:#010x}, computed "
+                                f"{got:#010x})", source=source, key=f"item.{key}")
 
 
 def _said(e: BaseException) -> str:

@@ -4,13 +4,17 @@ A capture copies a `jax.Array` to the host shard by shard (`host_copy`): each di
 shard (`replica_id == 0` of `addressable_shards`) is copied from its own device once,
 into its region of one host array, so no device ever holds the whole array and no
 program runs on the devices. An array this process cannot address whole (it spans
-other JAX processes) is refused with a `RecorderError` naming `OrbaxRecorder`, which
-writes each process's shards.
+other JAX processes) has no host copy (`host_copy` refuses it, naming `OrbaxRecorder`);
+`capture_tensor` records it as a `ShardedTensor`: the distinct shards this process
+holds, with the global shape, dtype and sharding. Only `OrbaxRecorder` writes one (each
+process its shards), and a restore builds the global array from them (`place_tensor`).
 
 A restore places each value as its target says (`place`): a live `jax.Array` by its
 sharding, an abstract target (`jax.ShapeDtypeStruct`, from `jax.eval_shape`) by its
-`.sharding`, or on `device` when it has none. Abstract leaves hold no values: capturing
-one is a `TypeError`.
+`.sharding`, or on `device` when it has none; a live array that is not committed to a
+device (optax's step `count`, made by `jnp.zeros` outside any `device_put`) gets an
+uncommitted value, so a jitted step may still combine it with arrays on other devices.
+Abstract leaves hold no values: capturing one is a `TypeError`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import RecorderError
+from trainrec import DType, RecorderError, ShardedTensor, TensorData
+from trainrec.adapter_kit import ShardIndex
 
 __all__ = ["is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
-           "key_data_like", "key_impl_name", "sharding_of"]
+           "key_data_like", "key_impl_name", "sharding_of", "capture_tensor", "place_tensor",
+           "global_array", "shard_index", "shards_of"]
 
 
 def is_abstract(leaf: Any) -> bool:
@@ -88,9 +94,83 @@ def host_copy(x: Any) -> np.ndarray[Any, Any]:
     return out
 
 
+def shard_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> ShardIndex:
+    """A shard's `index` (slices, as JAX gives them) as (start, stop) per axis."""
+    out = []
+    for s, n in zip(index, shape):
+        start, stop, _ = s.indices(n)
+        out.append((start, stop))
+    return tuple(out)
+
+
+def shards_of(x: jax.Array) -> dict[ShardIndex, TensorData]:
+    """Host copies of the distinct shards of `x` this process holds, by index."""
+    for s in x.addressable_shards:
+        s.data.copy_to_host_async()
+    out: dict[ShardIndex, TensorData] = {}
+    for s in x.addressable_shards:
+        index = shard_index(s.index, tuple(x.shape))
+        if index not in out:
+            out[index] = TensorData.from_array(np.asarray(s.data), copy=True)
+    return out
+
+
+def capture_tensor(x: Any) -> TensorData:
+    """A record of `x`'s values: a `TensorData` of its host copy (of one replica for an
+    array replicated over other processes' devices too), or for a `jax.Array` sharded
+    over devices of other processes a `ShardedTensor` of the shards this process holds."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_fully_replicated:  # every process holds all of it: a whole tensor
+            return TensorData.from_array(np.asarray(x.addressable_shards[0].data), copy=True)
+        return ShardedTensor(DType.from_numpy(x.dtype), tuple(int(d) for d in x.shape),
+                             shards_of(x), x.sharding)
+    return TensorData.from_array(host_copy(x), copy=False)
+
+
+def global_array(t: ShardedTensor, dtype: Any = None) -> jax.Array:
+    """The global `jax.Array` of `t` laid out by its own sharding, each of this process's
+    devices given its shard (converted to `dtype`, None: its own) from `t.shards`."""
+    shape = t.shape
+    arrays = []
+    for device, index in t.layout.addressable_devices_indices_map(shape).items():
+        part = t.shards.get(shard_index(index, shape))
+        if part is None:
+            raise RecorderError(f"the record holds no shard at {shard_index(index, shape)} of a tensor "
+                                f"of shape {shape}, which device {device} holds in {t.layout}")
+        host = np.asarray(part.array)
+        arrays.append(jax.device_put(host if dtype is None else host.astype(dtype), device))
+    out: jax.Array = jax.make_array_from_single_device_arrays(shape, t.layout, arrays)
+    return out
+
+
+def place_tensor(t: TensorData, like: Any, device: Any, dtype: Any) -> jax.Array:
+    """`t`'s values as a `jax.Array` of `dtype` placed as `place` places them; a
+    `ShardedTensor` is built from its shards on its own sharding, then moved to `like`'s
+    sharding where that differs (a collective over the processes)."""
+    if not isinstance(t, ShardedTensor):
+        return place(np.asarray(t.array).astype(dtype), like, device)
+    whole = next(iter(t.shards.values())) if len(t.shards) == 1 else None
+    if whole is not None and whole.shape == t.shape and (
+            isinstance(like, jax.Array) and not like.committed):
+        return place(np.asarray(whole.array).astype(dtype), like, device)  # a replicated value
+    out = global_array(t, dtype)
+    target = sharding_of(like)
+    if target is None and device is None:
+        return out
+    target = target if target is not None else device
+    if isinstance(target, jax.sharding.Sharding) and target.is_equivalent_to(t.layout, len(t.shape)):
+        return out
+    moved: jax.Array = jax.device_put(out, target)
+    return moved
+
+
 def place(value: np.ndarray[Any, Any], like: Any, device: Any) -> jax.Array:
     """`value` as a `jax.Array` placed as `like` says (a live array's or an abstract
-    target's sharding), else on `device` (a `jax.Device`, None: the default device)."""
+    target's sharding; uncommitted, as a live array that is not committed to a device),
+    else on `device` (a `jax.Device`, None: the default device)."""
+    if isinstance(like, jax.Array) and not like.committed:
+        loose: jax.Array = jax.device_put(value)  # not committed: jit may move it
+        return loose
     sharding = sharding_of(like)
     out: jax.Array = jax.device_put(value, sharding if sharding is not None else device)
     return out
