@@ -1,0 +1,365 @@
+"""`DCPRecorder`: one checkpoint of a sharded (FSDP2, `fully_shard`) run, written through
+`torch.distributed.checkpoint` (DCP) and committed once.
+
+A save is collective: every rank calls `DCPRecorder().save(path, model, optimizer,
+scheduler, state)`. The directory holds
+
+- `dcp/`: one DCP checkpoint (`.metadata` and `__{rank}_0.distcp` files), written by
+  `dcp.save` from `{"model": ..., "optim": ..., "grads": ...}`: the model's and optimizer's
+  state dicts from `torch.distributed.checkpoint.state_dict.get_state_dict` (sharded
+  `DTensor`s under the plain model's parameter names), and the pending gradients, each
+  parameter's `.grad` (a sharded `DTensor` that FSDP2 reduce-scatters and accumulates
+  every micro-step), under the same names;
+- `rank-{r:05d}-of-{n:05d}.mpk`, by rank r (`NamedMpkFileRecorder`, every dtype kept): the
+  scheduler's state and the caller's state (counters, `TorchRngRecord`), each rank's own;
+- `manifest.json`, by rank 0, last: format `trainrec.dcp`, version, world size, the save's id
+  (which every part repeats), the part names, the parameters with a pending gradient and
+  whether the optimizer had state.
+
+The commit is `DistributedRecorder`'s (`_Commit`, spec/PROTOCOLS.md, "Distributed
+records"): DCP and the parts are written into a temp directory next to `path`, and rank 0
+renames it to `path` only when every rank's writes succeeded. `path` exists exactly when the
+checkpoint is complete; a rank that fails or dies mid-save leaves earlier checkpoints as
+they were.
+
+A load is collective too (`dcp.load` plans with the other ranks). Model, optimizer and
+pending gradients are read by DCP into the live run's own sharding, so a checkpoint of n
+ranks loads into m ranks with every value unchanged (resharding). The scheduler is
+replicated (the same on every rank). The caller's state is each rank's own, and nothing maps
+n ranks' states onto m: at another world size `load` refuses unless `rank_state` says what
+to do (`"drop"`: no caller state; an int r: rank r's state on every rank).
+
+`set_requires_gradient_sync(False)` keeps the micro-steps' gradients unsharded inside FSDP
+(`FSDPParam`'s unsharded gradient), which no public API reads or writes: a save then is
+refused, saying how to accumulate instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+import trainrec
+from trainrec import (
+    CorruptRecordError,
+    FileMissingError,
+    NamedMpkFileRecorder,
+    NativePrecisionSettings,
+    RecorderError,
+    RecordMismatchError,
+    StateRecord,
+    UnsupportedVersionError,
+)
+from trainrec.adapter_kit import path_arg
+
+from .bindings import TorchLrScheduler
+from .distributed import _Commit, _rank_world, _safe_name
+from .wrappers import is_dtensor, named_parameters
+
+__all__ = ["DCPRecorder", "DCPRestored"]
+
+FORMAT = "trainrec.dcp"
+VERSION = (1, 0)
+MANIFEST = "manifest.json"
+DCP_DIR = "dcp"
+_PART = "trainrec.dcp.part"
+_NATIVE = NativePrecisionSettings()
+
+U = TypeVar("U")
+
+
+@dataclass
+class DCPRestored(Generic[U]):
+    """What `DCPRecorder.load` returns: the caller's state (None when the checkpoint has none,
+    or `rank_state="drop"`) and the world size the checkpoint was saved with."""
+
+    state: U | None
+    saved_world_size: int
+
+
+class DCPRecorder:
+    """Saves and loads an FSDP2 (`fully_shard`) run's checkpoint through
+    `torch.distributed.checkpoint`: model, optimizer and pending `.grad` as DCP (sharded,
+    resharded on load), the scheduler and each rank's caller state beside it, one commit.
+
+    `group`: the process group whose ranks save together (default: the world).
+
+    Example::
+
+        rec = trt.DCPRecorder()
+        state.rng = trt.TorchRngRecord.capture()
+        rec.save(root / f"step-{micro:08d}", model, optimizer, scheduler, state)  # every rank
+        ...
+        state = rec.load(path, model, optimizer, scheduler, state_type=State).state
+        state.rng.apply()
+
+    There is no `async_save`: `dcp.async_save` returns once its planning collectives ran
+    and writes in a background thread, but a trainrec checkpoint is committed only after every
+    rank's write is durable, which needs the ranks to meet again; from a background thread
+    that meeting would interleave with training's own collectives on the same group (see
+    spec/PROTOCOLS.md, "Sharded records").
+    """
+
+    def __init__(self, *, group: Any = None) -> None:
+        self.group = group
+
+    def __repr__(self) -> str:
+        return "DCPRecorder()"
+
+    # -- save ------------------------------------------------------------------------------
+
+    def save(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any = None, state: Any = None) -> Path:
+        """Collective: write the checkpoint `path` (a directory that must not exist yet) and
+        return it once rank 0 committed it. Every rank raises `RecorderError` when any rank
+        failed, and nothing is committed."""
+        path = path_arg(path)
+        _check_objects(model, optimizer, scheduler)
+        if state is not None and not hasattr(state, "into_item"):
+            raise TypeError(f"state must be a Record (e.g. a @trainrec.record dataclass) or "
+                            f"None, got {type(state).__name__}")
+        refuse_unsynced_gradients(model)
+        rank, world = _rank_world(self.group)
+        commit = _Commit(path, rank, world, self.group)
+        if rank == 0:
+            commit.prepare()
+        commit.begin(None)
+        params = dict(named_parameters(model))
+        grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+        had_state = bool(optimizer.state)
+        try:
+            msd, osd = get_state_dict(model, optimizer)
+            if not had_state and optimizer.state:
+                # get_state_dict ran one step with lr 0 to create the state: a run saved
+                # before its first step must go on without it
+                optimizer.state.clear()
+            dcp_save({"model": msd, "optim": osd, "grads": grads},
+                     checkpoint_id=commit.temp / DCP_DIR, process_group=self.group)
+            part = {
+                "rank": rank, "world_size": world, "save_id": commit.token,
+                "scheduler": None if scheduler is None
+                else TorchLrScheduler(scheduler).into_record().into_item(_NATIVE),
+                "state": None if state is None else state.into_item(_NATIVE),
+            }
+            NamedMpkFileRecorder(_NATIVE).save_item(
+                part, commit.temp / _part_name(rank, world), _PART)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
+            commit.fail(e)
+        else:
+            commit.wrote(0)
+        manifest = {
+            "format": FORMAT, "version": list(VERSION), "trainrec": trainrec.__version__,
+            "record": "TrainingRecord", "world_size": world, "save_id": commit.token,
+            "parts": [_part_name(r, world) for r in range(world)], "dcp": DCP_DIR,
+            "grads": sorted(grads), "optimizer_state": had_state,
+            "scheduler": scheduler is not None, "state": state is not None,
+        }
+        commit.finish(manifest)
+        return Path(path)
+
+    # -- load ------------------------------------------------------------------------------
+
+    def load(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any = None, *, state_type: type[U] | None = None,
+             rank_state: str | int = "own") -> DCPRestored[U]:
+        """Collective: restore the checkpoint `path` into the live (sharded) `model`,
+        `optimizer` and `scheduler`, pending `.grad` included, and return the caller's state
+        rebuilt as `state_type` (the raw item tree without one).
+
+        At the saved world size every rank gets its own state. At another world size model,
+        optimizer and gradients are resharded, and `rank_state` chooses the caller state:
+        `"own"` (default) refuses with `RecordMismatchError`, `"drop"` returns none, an int r
+        gives every rank rank r's (its RNG too: the ranks then draw alike unless the caller
+        reseeds). Everything is checked and read before the live objects change: a rejected
+        load leaves them as they were."""
+        path = path_arg(path)
+        _check_objects(model, optimizer, scheduler)
+        manifest = _read_manifest(path)
+        saved = manifest["world_size"]
+        rank, world = _rank_world(self.group)
+        if rank_state == "own":
+            if saved != world:
+                raise RecordMismatchError(
+                    f"the checkpoint was saved by {saved} rank(s), this run has {world}: the "
+                    "model, optimizer and pending gradients reshard, but each rank's caller "
+                    "state (counters, RNG) is its own and no rule maps it onto another number "
+                    "of ranks; pass rank_state='drop' (no caller state) or rank_state=r (rank "
+                    f"r's on every rank), or resume with {saved} rank(s)", source=str(path))
+            source: int | None = rank
+        elif rank_state == "drop":
+            source = None
+        elif type(rank_state) is int:
+            if not 0 <= rank_state < saved:
+                raise ValueError(f"rank_state must be a rank in [0, {saved}), got {rank_state}")
+            source = rank_state
+        else:
+            raise ValueError(f"rank_state must be 'own', 'drop' or a rank (int), got {rank_state!r}")
+        # the scheduler is replicated: rank 0's part holds it when ours is not read
+        part = _read_part(path, manifest, 0 if source is None else source)
+        params = dict(named_parameters(model))
+        missing = [n for n in manifest["grads"] if n not in params]
+        if missing:
+            raise RecordMismatchError("pending gradient for a parameter the model lacks",
+                                      key=f"grads.{missing[0]}", source=str(path))
+        sched_record = None
+        if scheduler is not None:
+            if part.get("scheduler") is None:
+                raise RecordMismatchError("the checkpoint holds no scheduler state, a scheduler "
+                                          "was given", key="scheduler", source=str(path))
+            sched_record = StateRecord.from_item(part["scheduler"], None, key="scheduler")
+            TorchLrScheduler(scheduler).check_record(sched_record)
+        state: Any = None
+        if source is not None and part.get("state") is not None:
+            device = _local_device(model)
+            item = part["state"]
+            try:
+                state = item if state_type is None else state_type.from_item(item, device)  # type: ignore[attr-defined]
+            except RecorderError:
+                raise
+            except (TypeError, ValueError, KeyError) as e:
+                raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state",
+                                         source=str(path)) from e
+        had_state = bool(optimizer.state)
+        live_grads = {n: p.grad for n, p in params.items()}
+        for p in params.values():  # get_state_dict makes a fresh optimizer's state only then
+            p.grad = None
+        try:
+            msd, osd = get_state_dict(model, optimizer)
+            target = {"model": _clone(msd), "optim": _clone(osd),
+                      "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
+        finally:
+            if not had_state:  # it made the state with one step at lr 0: undo that
+                optimizer.state.clear()
+            for n, p in params.items():
+                p.grad = live_grads[n]
+        try:
+            dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
+        except Exception as e:
+            raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
+                                f"optimizer and pending gradients: {e}", source=str(path)) from e
+        set_state_dict(model, optimizer, model_state_dict=target["model"],
+                       optim_state_dict=target["optim"])
+        if not manifest["optimizer_state"]:
+            optimizer.state.clear()  # saved before its first step: no state, as then
+        for n, p in params.items():
+            p.grad = target["grads"].get(n)
+        if scheduler is not None and sched_record is not None:
+            TorchLrScheduler(scheduler).load_record(sched_record)
+        return DCPRestored(state, saved)
+
+
+def refuse_unsynced_gradients(model: nn.Module) -> None:
+    """Raise `RecorderError` when an FSDP2 module holds gradients accumulated with
+    `set_requires_gradient_sync(False)`: they live unsharded inside FSDP, where no public
+    API reads or writes them, so no checkpoint can keep them."""
+    for name, module in model.named_modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if (getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
+                    or (unsharded is not None and unsharded.grad is not None)):
+                raise RecorderError(
+                    f"FSDP module {name or '<root>'!r} holds gradients accumulated with "
+                    "set_requires_gradient_sync(False): they stay unsharded inside FSDP, and no "
+                    "public API reads or restores them, so a checkpoint would lose them. "
+                    "Checkpoint after the window's last (synced) backward, or accumulate with "
+                    "gradient sync on (the default: each micro-step's gradient is "
+                    "reduce-scattered into the sharded .grad, which DCPRecorder saves)",
+                    key=f"model.{name}")
+
+
+def _check_objects(model: Any, optimizer: Any, scheduler: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if scheduler is not None and not hasattr(scheduler, "state_dict"):
+        raise TypeError(f"scheduler must be a torch LR scheduler or None, got {type(scheduler).__name__}")
+
+
+def _local_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.to_local().device if is_dtensor(p) else p.device  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def _clone(tree: Any) -> Any:
+    """The state dict with every tensor a copy: DCP loads into it, the live objects stay."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+def _part_name(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.mpk"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise FileMissingError("no committed DCP checkpoint here (a save commits its directory "
+                               "by renaming it into place)", source=str(path))
+    try:
+        doc = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
+                                 "DCPRecorder committed", source=str(path)) from None
+    except (OSError, ValueError) as e:
+        raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
+    version = doc.get("version")
+    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
+        raise CorruptRecordError("malformed version", source=str(file), key="version")
+    if version[0] != VERSION[0]:
+        raise UnsupportedVersionError(f"format version {version[0]}.{version[1]}, this trainrec "
+                                      f"reads {VERSION[0]}.x", source=str(file))
+    world = doc.get("world_size")
+    parts = doc.get("parts")
+    checks = {
+        "world_size": type(world) is int and world >= 1,
+        "save_id": isinstance(doc.get("save_id"), str),
+        "parts": isinstance(parts, list) and len(parts) == world and all(
+            isinstance(p, str) and _safe_name(p) for p in parts),
+        "dcp": isinstance(doc.get("dcp"), str) and _safe_name(doc["dcp"]),
+        "grads": isinstance(doc.get("grads"), list) and all(isinstance(g, str) for g in doc["grads"]),
+        "optimizer_state": isinstance(doc.get("optimizer_state"), bool),
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+    if not (path / doc["dcp"] / ".metadata").is_file():
+        raise CorruptRecordError("the DCP checkpoint's .metadata is missing",
+                                 source=str(path / doc["dcp"]))
+    return doc
+
+
+def _read_part(path: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    file = path / manifest["parts"][rank]
+    if not file.is_file():
+        raise CorruptRecordError("a part the manifest lists is missing", source=str(file))
+    header, item = trainrec.read_file(file)
+    if header.record_type != _PART or not isinstance(item, dict):
+        raise CorruptRecordError(f"holds a {header.record_type}, not a {_PART}", source=str(file))
+    want = {"rank": rank, "world_size": manifest["world_size"], "save_id": manifest["save_id"]}
+    for key, value in want.items():
+        if item.get(key) != value:
+            raise CorruptRecordError(
+                f"{key} is {item.get(key)!r}, the manifest says {value!r} (a part of another "
+                "save, or of another rank)", source=str(file), key=key)
+    return item
