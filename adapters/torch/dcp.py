@@ -233,7 +233,7 @@ class DCPRecorder:
             p.grad = None
         try:
             msd, osd = get_state_dict(model, optimizer)
-            target = {"model": _clone(msd), "optim": _clone(osd),
+            target = {"model": _empty(msd), "optim": _empty(osd),
                       "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
         finally:
             if not had_state:  # it made the state with one step at lr 0: undo that
@@ -294,14 +294,16 @@ def _local_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _clone(tree: Any) -> Any:
-    """The state dict with every tensor a copy: DCP loads into it, the live objects stay."""
+def _empty(tree: Any) -> Any:
+    """The state dict with every tensor a new one of its kind (dtype, shape, sharding; its
+    values unset): DCP loads into it, the live objects stay as they are until all was read
+    (DCP refuses a checkpoint that lacks any of its keys, so none stays unset)."""
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return torch.empty_like(tree)
     if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
+        return {k: _empty(v) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_clone(v) for v in tree]
+        return [_empty(v) for v in tree]
     return tree
 
 
