@@ -12,7 +12,9 @@ this rank's torch RNG state.
 
 MODE (checkpoints under OUT/ckpt{WORLD}):
 - `checkpoint`, 2 ranks: the uninterrupted run: saves step-A and step-B mid-window
-  (dumping atWORLD-S-RANK.pt as saved), trains to STEPS and dumps final2-RANK.pt, then
+  (dumping atWORLD-S-RANK.pt as saved; step-B with async_save=True on a gloo group of its
+  own, committed while training goes on, after async-needs-a-group-RANK.txt records the
+  refusal without one), trains to STEPS and dumps final2-RANK.pt, then
   saves step-STEPS while rank 1 is killed (SIGKILL) inside DCP's write; rank 0 writes the
   error it got to kill-error.txt.
 - `checkpoint`, another world size: trains to A and saves step-A only (for the load into 2
@@ -103,9 +105,9 @@ def dump(model, opt, sched, state, file: Path) -> None:
     torch.save(out, file)
 
 
-def save(model, opt, sched, state, path: Path):
+def save(model, opt, sched, state, path: Path, recorder=None, **kwargs):
     state.rng = trt.TorchRngRecord.capture()
-    return trt.DCPRecorder().save(path, model, opt, sched, state)
+    return (recorder or trt.DCPRecorder()).save(path, model, opt, sched, state, **kwargs)
 
 
 def main() -> None:
@@ -136,7 +138,23 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
             except trainrec.RecorderError as e:
                 (out / f"unsynced-error-{rank}.txt").write_text(str(e))
         else:
-            train(model, opt, sched, state, STEPS, on_step=at)
+            try:
+                save(model, opt, sched, state, ckpt / "no-group", async_save=True)
+            except ValueError as e:
+                (out / f"async-needs-a-group-{rank}.txt").write_text(str(e))
+            async_rec = trt.DCPRecorder(group=dist.new_group(backend="gloo"))
+            futures = []
+
+            def at_async(micro: int) -> None:  # step B in the background, training goes on
+                if micro == B:
+                    futures.append(save(model, opt, sched, state, ckpt / f"step-{micro:08d}",
+                                        async_rec, async_save=True))
+                    dump(model, opt, sched, state, out / f"at{world}-{micro}-{rank}.pt")
+                else:
+                    at(micro)
+
+            train(model, opt, sched, state, STEPS, on_step=at_async)
+            assert futures[0].result() == ckpt / f"step-{B:08d}"
             dump(model, opt, sched, state, out / f"final{world}-{rank}.pt")
             if rank == 1:
                 from torch.distributed.checkpoint import FileSystemWriter

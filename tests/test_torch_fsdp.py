@@ -127,6 +127,13 @@ def test_unsynced_accumulation_is_refused_with_the_way_out(runs):
     assert not (runs / "ckpt4" / "unsynced").exists()
 
 
+def test_an_async_save_without_a_group_of_its_own_is_refused(runs):
+    for rank in range(2):
+        error = (runs / f"async-needs-a-group-{rank}.txt").read_text()
+        assert "process group of its own" in error and "new_group" in error
+    assert not (runs / "ckpt2" / "no-group").exists()
+
+
 def test_a_rank_killed_during_dcp_s_write_leaves_the_previous_checkpoint_loadable(runs):
     error = (runs / "kill-error.txt").read_text()
     assert error.startswith("RecorderError: the ranks could not meet") and "nothing was committed" in error
@@ -255,6 +262,16 @@ def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_pa
         assert q.dtype == torch.bfloat16 and torch.equal(p, q) and torch.equal(p.grad, q.grad)
         assert _same(opt.state[p], opt2.state[q])
     assert sched2.state_dict() == sched.state_dict()
+
+    # async: the state is staged when save returns; training may change it meanwhile
+    future = trt.DCPRecorder().save(tmp_path / "step-5", model, opt, sched, state, async_save=True)
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    assert future.result() == tmp_path / "step-5"
+    trt.DCPRecorder().load(tmp_path / "step-5", model2, opt2, sched2, state_type=Counter)
+    assert all(torch.equal(a, b) for a, b in zip(saved, model2.parameters()))
 
     torch.manual_seed(2)
     model3 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)

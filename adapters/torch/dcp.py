@@ -37,6 +37,7 @@ refused, saying how to accumulate instead.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import trainrec
@@ -110,6 +112,7 @@ class DCPRecorder:
 
     def __init__(self, *, group: Any = None) -> None:
         self.group = group
+        self._pending: Future[Path] | None = None
 
     def __repr__(self) -> str:
         return "DCPRecorder()"
@@ -117,17 +120,32 @@ class DCPRecorder:
     # -- save ------------------------------------------------------------------------------
 
     def save(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler: Any = None, state: Any = None) -> Path:
+             scheduler: Any = None, state: Any = None, *, async_save: bool = False) -> Any:
         """Collective: write the checkpoint `path` (a directory that must not exist yet) and
         return it once rank 0 committed it. Every rank raises `RecorderError` when any rank
-        failed, and nothing is committed."""
+        failed, and nothing is committed.
+
+        `async_save=True` returns a `concurrent.futures.Future` of the `Path` as soon as the
+        state is staged (copied; training may go on and change it) and this rank's part is
+        written: `dcp.async_save` writes the shards in a background thread, which then meets
+        the other ranks and commits. Its collectives run on `group`, which must then be a
+        process group of its own, not one training uses (e.g. `dist.new_group(backend="gloo")`,
+        as DCP asks for its own `async_save`); a second save first waits for the previous one.
+        The future raises what the save would have raised."""
         path = path_arg(path)
         _check_objects(model, optimizer, scheduler)
         if state is not None and not hasattr(state, "into_item"):
             raise TypeError(f"state must be a Record (e.g. a @trainrec.record dataclass) or "
                             f"None, got {type(state).__name__}")
-        refuse_unsynced_gradients(model)
         rank, world = _rank_world(self.group)
+        if async_save and world > 1 and self.group is None:
+            raise ValueError(
+                "async_save=True runs the commit's collectives in a background thread: give "
+                "DCPRecorder a process group of its own, DCPRecorder(group=dist.new_group("
+                "backend='gloo')), so they never interleave with training's")
+        refuse_unsynced_gradients(model)
+        if self._pending is not None:
+            wait([self._pending])  # its outcome is its own future's
         commit = _Commit(path, rank, world, self.group)
         if rank == 0:
             commit.prepare()
@@ -135,14 +153,14 @@ class DCPRecorder:
         params = dict(named_parameters(model))
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         had_state = bool(optimizer.state)
+        upload: Future[Any] | None = None
+        failed: Exception | None = None
         try:
             msd, osd = get_state_dict(model, optimizer)
             if not had_state and optimizer.state:
                 # get_state_dict ran one step with lr 0 to create the state: a run saved
                 # before its first step must go on without it
                 optimizer.state.clear()
-            dcp_save({"model": msd, "optim": osd, "grads": grads},
-                     checkpoint_id=commit.temp / DCP_DIR, process_group=self.group)
             part = {
                 "rank": rank, "world_size": world, "save_id": commit.token,
                 "scheduler": None if scheduler is None
@@ -151,10 +169,17 @@ class DCPRecorder:
             }
             NamedMpkFileRecorder(_NATIVE).save_item(
                 part, commit.temp / _part_name(rank, world), _PART)
+            tree = {"model": msd, "optim": osd, "grads": grads}
+            if async_save:
+                # staged here: DCP's stager refuses FSDP2's parameter storages ("invalid
+                # python storage", torch 2.13), and a copy is what staging makes anyway
+                tree = _copy(tree)
+                upload = dcp_async_save(tree, checkpoint_id=commit.temp / DCP_DIR,  # type: ignore[assignment]
+                                        process_group=self.group)  # a Future: no async_stager given
+            else:
+                dcp_save(tree, checkpoint_id=commit.temp / DCP_DIR, process_group=self.group)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
-            commit.fail(e)
-        else:
-            commit.wrote(0)
+            failed = e
         manifest = {
             "format": FORMAT, "version": list(VERSION), "trainrec": trainrec.__version__,
             "record": "TrainingRecord", "world_size": world, "save_id": commit.token,
@@ -162,8 +187,27 @@ class DCPRecorder:
             "grads": sorted(grads), "optimizer_state": had_state,
             "scheduler": scheduler is not None, "state": state is not None,
         }
-        commit.finish(manifest)
-        return Path(path)
+
+        def finish() -> Path:
+            error = failed
+            if upload is not None:
+                try:
+                    upload.result()
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            if error is None:
+                commit.wrote(0)
+            else:
+                commit.fail(error)
+            commit.finish(manifest)
+            return Path(path)
+
+        if not async_save:
+            return finish()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainrec-dcp-commit")
+        self._pending = pool.submit(finish)
+        pool.shutdown(wait=False)  # the thread ends with `finish`
+        return self._pending
 
     # -- load ------------------------------------------------------------------------------
 
@@ -292,6 +336,17 @@ def _local_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.to_local().device if is_dtensor(p) else p.device  # type: ignore[attr-defined]
     return torch.device("cpu")
+
+
+def _copy(tree: Any) -> Any:
+    """The state dict with every tensor copied (a DTensor stays one, its shard copied)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(v) for v in tree]
+    return tree
 
 
 def _empty(tree: Any) -> Any:
