@@ -29,6 +29,10 @@ replicated (the same on every rank). The caller's state is each rank's own, and 
 n ranks' states onto m: at another world size `load` refuses unless `rank_state` says what
 to do (`"drop"`: no caller state; an int r: rank r's state on every rank).
 
+`save(..., async_save=True)` copies the state, starts `dcp.async_save` and returns a
+`Future`; a background thread waits for DCP's write, then meets the other ranks and commits,
+on a process group of its own (the group DCP itself asks for its `async_save`).
+
 `set_requires_gradient_sync(False)` keeps the micro-steps' gradients unsharded inside FSDP
 (`FSDPParam`'s unsharded gradient), which no public API reads or writes: a save then is
 refused, saying how to accumulate instead.
@@ -103,11 +107,9 @@ class DCPRecorder:
         state = rec.load(path, model, optimizer, scheduler, state_type=State).state
         state.rng.apply()
 
-    There is no `async_save`: `dcp.async_save` returns once its planning collectives ran
-    and writes in a background thread, but a trainrec checkpoint is committed only after every
-    rank's write is durable, which needs the ranks to meet again; from a background thread
-    that meeting would interleave with training's own collectives on the same group (see
-    spec/PROTOCOLS.md, "Sharded records").
+    `save(..., async_save=True)` returns a `Future` of the path once the state is copied:
+    `dcp.async_save` writes it and the commit follows in a background thread, on a process
+    group of its own (`DCPRecorder(group=dist.new_group(backend="gloo"))`; see `save`).
     """
 
     def __init__(self, *, group: Any = None) -> None:
