@@ -23,7 +23,8 @@ MODE (checkpoints under OUT/ckpt{WORLD}):
 - `resume`: in fresh objects, restore step-A, train to STEPS, dump resumed-A-RANK.pt; the
   same from step-B.
 - `M1+M2`: M1, then M2 in fresh objects (one process start for both).
-- `reshard:N:S`: restore OUT/ckptN/step-S (saved by N ranks) with rank_state="drop" and
+- `reshard:N:S`: wait (up to 2 min) for OUT/ckptN/step-S (saved by N ranks, maybe by a
+  run going on beside this one), restore it with rank_state="drop" and
   dump resharded-N-S-RANK.pt at once; then check that the default refuses.
 
 With FSDP_RUN_DEVICE=cuda the ranks run NCCL, one GPU each (the `cuda` test).
@@ -35,6 +36,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -180,6 +182,10 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
     elif mode.startswith("reshard:"):
         saved, step = (int(v) for v in mode.split(":")[1:])
         path = out / f"ckpt{saved}" / f"step-{step:08d}"
+        for _ in range(1200):  # another group of ranks may still be saving it
+            if path.exists():  # committed by one rename: whole once it exists
+                break
+            time.sleep(0.1)
         restored = trt.DCPRecorder().load(path, model, opt, sched, rank_state="drop")
         assert restored.state is None and restored.saved_world_size == saved
         dump(model, opt, sched, State(micro=step), out / f"resharded{saved}to{world}-{step}-{rank}.pt")

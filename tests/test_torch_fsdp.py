@@ -5,11 +5,11 @@ state at another world size is refused unless the caller chooses, gradients accu
 with `set_requires_gradient_sync(False)` are refused, and a rank killed inside DCP's write
 commits nothing.
 
-The runs (tests/fsdp_run.py: gloo on CPU, spawned processes, a tiny model) go in three
-bounded phases: the uninterrupted 2-rank run (checkpoints at micro-steps 4 and 8, then the
-killed save); the 2-rank resumes beside the 4-rank processes (which first load the 2-rank
-checkpoint, resharded, then run their own checkpointing run); the 2-rank load of the 4-rank
-checkpoint. Dumps hold full (gathered) tensors, compared bitwise on this machine."""
+The runs (tests/fsdp_run.py: gloo on CPU, spawned processes, a tiny model) go in two
+bounded phases: the uninterrupted 2-rank run (checkpoints at micro-steps 4 and 8, the
+second asynchronous, then the killed save); then the 2-rank resumes beside the 4-rank
+processes, which first load the 2-rank checkpoint, resharded, then save their own at
+micro-step 4, which the 2 ranks load last. Dumps hold full (gathered) tensors, compared bitwise on this machine."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def runs(tmp_path_factory):
     (out / "ckpt2").mkdir()
     (out / "ckpt4").mkdir()
     _phase(out, [("checkpoint", 2)])
-    _phase(out, [("resume", 2), (f"reshard:2:{B}+checkpoint", 4)])
-    _phase(out, [(f"reshard:4:{A}", 2)])
+    # the 2 ranks load the 4 ranks' step-A once they committed it
+    _phase(out, [(f"resume+reshard:4:{A}", 2), (f"reshard:2:{B}+checkpoint", 4)])
     return out
 
 
