@@ -242,6 +242,9 @@ def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_pa
     early = trt.DCPRecorder().save(tmp_path / "step-0", model, opt, sched, Counter(0, torch.zeros(1)))
     assert not opt.state and all(p.grad is None for p in model.parameters())
     model(torch.randn(5, 3, dtype=torch.bfloat16)).sum().backward()
+    first = trt.DCPRecorder().save(tmp_path / "step-1", model, opt, sched, Counter(1, torch.zeros(1)))
+    assert not opt.state and all(p.grad is not None for p in model.parameters())
+    pending = [p.grad.clone() for p in model.parameters()]
     opt.step()
     sched.step()
     model(torch.randn(5, 3, dtype=torch.bfloat16)).sum().backward()  # pending
@@ -278,6 +281,15 @@ def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_pa
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
     trt.DCPRecorder().load(early, model3, opt3)
     assert not opt3.state and all(p.grad is None for p in model3.parameters())
+    # mid first window, before the first step: the pending gradients, no optimizer state,
+    # and the step taken from there is the one the run took
+    model4 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    opt4 = torch.optim.AdamW(model4.parameters(), lr=1e-2)
+    trt.DCPRecorder().load(first, model4, opt4)
+    assert not opt4.state
+    assert all(torch.equal(g, p.grad) for g, p in zip(pending, model4.parameters()))
+    opt4.step()
+    assert all(torch.equal(a, b) for a, b in zip(saved, model4.parameters()))
     # the parameters saved at step 0 (seed 0), not model3's own (seed 2)
     torch.manual_seed(0)
     first = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)

@@ -158,11 +158,7 @@ class DCPRecorder:
         upload: Future[Any] | None = None
         failed: Exception | None = None
         try:
-            msd, osd = get_state_dict(model, optimizer)
-            if not had_state and optimizer.state:
-                # get_state_dict ran one step with lr 0 to create the state: a run saved
-                # before its first step must go on without it
-                optimizer.state.clear()
+            msd, osd = _state_dicts(model, optimizer, params)
             part = {
                 "rank": rank, "world_size": world, "save_id": commit.token,
                 "scheduler": None if scheduler is None
@@ -273,19 +269,9 @@ class DCPRecorder:
             except (TypeError, ValueError, KeyError) as e:
                 raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state",
                                          source=str(path)) from e
-        had_state = bool(optimizer.state)
-        live_grads = {n: p.grad for n, p in params.items()}
-        for p in params.values():  # get_state_dict makes a fresh optimizer's state only then
-            p.grad = None
-        try:
-            msd, osd = get_state_dict(model, optimizer)
-            target = {"model": _empty(msd), "optim": _empty(osd),
-                      "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
-        finally:
-            if not had_state:  # it made the state with one step at lr 0: undo that
-                optimizer.state.clear()
-            for n, p in params.items():
-                p.grad = live_grads[n]
+        msd, osd = _state_dicts(model, optimizer, params)
+        target = {"model": _empty(msd), "optim": _empty(osd),
+                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
         try:
             dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
         except Exception as e:
@@ -300,6 +286,29 @@ class DCPRecorder:
         if scheduler is not None and sched_record is not None:
             TorchLrScheduler(scheduler).load_record(sched_record)
         return DCPRestored(state, saved)
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 params: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`get_state_dict(model, optimizer)`, the optimizer's state always in it, the live
+    objects as they were. An optimizer before its first step has none, and get_state_dict
+    makes it (one step at lr 0, which leaves the parameters as they are) only when no
+    parameter has a gradient: the pending ones are set aside meanwhile, and the state made
+    is dropped again (the manifest's `optimizer_state` says the run had none), so a save and
+    a load agree on the keys wherever in the first window they happen."""
+    had_state = bool(optimizer.state)
+    live_grads = {n: p.grad for n, p in params.items()}
+    if not had_state:
+        for p in params.values():
+            p.grad = None
+    try:
+        msd, osd = get_state_dict(model, optimizer)
+    finally:
+        if not had_state:
+            optimizer.state.clear()
+            for n, p in params.items():
+                p.grad = live_grads[n]
+    return msd, osd
 
 
 def refuse_unsynced_gradients(model: nn.Module) -> None:
