@@ -294,3 +294,47 @@ def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_pa
     torch.manual_seed(0)
     first = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
     assert all(torch.equal(p, q) for p, q in zip(model3.parameters(), first.parameters()))
+
+
+def test_a_damaged_shard_file_is_refused_and_the_live_objects_stay(saved):
+    shard = saved / "dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    model, opt = _plain()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(trainrec.RecorderError, match="torch.distributed.checkpoint could not load"):
+        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_the_2_rank_sharded_checkpoint_loads_into_one_plain_process_unchanged(runs, saved):
+    """2 -> 1: DCP gathers the shards into whole tensors of a model that is not sharded."""
+    model, opt = _plain()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    back = trt.DCPRecorder().load(saved, model, opt, sched, rank_state=0)
+    assert back.state["micro"] == A and back.saved_world_size == 2
+    at = _load(runs / f"at2-{A}-0.pt")
+    params = dict(model.named_parameters())
+    assert _same(at["params"], {n: p.detach() for n, p in params.items()})
+    assert _same(at["grads"], {n: p.grad for n, p in params.items()})
+    assert _same(at["optim"], {n: opt.state[p] for n, p in params.items()})
+    assert sched.get_last_lr() == at["lr"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_dcp_write_commits_nothing_and_leaves_no_temp_directory(tmp_path, monkeypatch, async_save):
+    """DCP reports a failed write as a CheckpointException, a BaseException: it is caught,
+    told to every rank and raised as a RecorderError, and the temp directory goes."""
+    from torch import nn
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters())
+    monkeypatch.setattr(FileSystemWriter, "write_data", refuse)
+    with pytest.raises(trainrec.RecorderError, match="No space left on device"):
+        out = trt.DCPRecorder().save(tmp_path / "step-1", model, opt, async_save=async_save)
+        out.result()
+    assert os.listdir(tmp_path) == []

@@ -48,6 +48,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -156,7 +157,7 @@ class DCPRecorder:
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         had_state = bool(optimizer.state)
         upload: Future[Any] | None = None
-        failed: Exception | None = None
+        failed: BaseException | None = None
         try:
             msd, osd = _state_dicts(model, optimizer, params)
             part = {
@@ -176,8 +177,8 @@ class DCPRecorder:
                                         process_group=self.group)  # a Future: no async_stager given
             else:
                 dcp_save(tree, checkpoint_id=commit.temp / DCP_DIR, process_group=self.group)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it, then it is raised
-            failed = e
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of
+            failed = e  # it, then it is raised (DCP's CheckpointException is a BaseException)
         manifest = {
             "format": FORMAT, "version": list(VERSION), "trainrec": trainrec.__version__,
             "record": "TrainingRecord", "world_size": world, "save_id": commit.token,
@@ -191,12 +192,15 @@ class DCPRecorder:
             if upload is not None:
                 try:
                     upload.result()
-                except Exception as e:  # noqa: BLE001
+                except (Exception, CheckpointException) as e:  # noqa: BLE001
                     error = e
             if error is None:
                 commit.wrote(0)
-            else:
+            elif isinstance(error, Exception):
                 commit.fail(error)
+            else:
+                commit.fail(RecorderError(f"torch.distributed.checkpoint could not save: {error}",
+                                          source=str(path)))
             commit.finish(manifest)
             return Path(path)
 
@@ -274,7 +278,7 @@ class DCPRecorder:
                   "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
         try:
             dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
                                 f"optimizer and pending gradients: {e}", source=str(path)) from e
         set_state_dict(model, optimizer, model_state_dict=target["model"],
