@@ -13,10 +13,15 @@ each the median over `--repeats` of the slowest rank:
 - the same `TrainingRecord` of rank 0 saved and loaded by `NamedMpkFileRecorder` in one
   process while rank 1 waits: what one rank costs without the distributed layout;
 - `dcp.save` / `dcp.load` of the model's and optimizer's state dicts (no pending
-  gradients: DCP has no place for them), each rank writing its share.
+  gradients: DCP has no place for them), each rank writing its share;
+- FSDP2: the same parameters sharded by `fully_shard` over the 2 ranks (half the bytes per
+  rank), AdamW moments and pending `.grad` (sharded), saved and loaded by `DCPRecorder`
+  against plain `dcp.save` / `dcp.load` of the same state dicts (`get_state_dict` plus the
+  gradients); the recorder adds the scheduler and caller-state parts, the commit (fsync,
+  rename) and, on load, checks and a copy of the live state it reads into.
 
-Ratios are printed against the single-process recorder and DCP of the same run. Nothing
-here is a test.
+Ratios are printed against the single-process recorder and DCP of the same run (the FSDP2
+rows against the FSDP2 DCP rows). Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -101,10 +106,57 @@ def _rank_main(rank: int, world: int, root: str, nbytes: int, repeats: int, out:
     dirs = {i: fresh("dcp", i) for i in range(repeats)}
     rows["dcp.save (model + optimizer)"] = timed(lambda i: dcp.save(state, checkpoint_id=dirs[i]))
     rows["dcp.load (model + optimizer)"] = timed(lambda i: dcp.load(state, checkpoint_id=dirs[i]))
+    rows.update(_fsdp_rows(rank, base, per, repeats, timed, fresh))
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _fsdp_rows(rank: int, base: Path, per: int, repeats: int, timed: Any, fresh: Any) -> dict[str, float]:
+    """`DCPRecorder` against plain `dcp.save` / `dcp.load` of the same FSDP2 state: the
+    same parameters, AdamW moments and pending gradients, sharded over the 2 ranks (each
+    rank holds half), plus the recorder's scheduler and caller state parts."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    import trainrec
+    import trainrec.adapters.torch as trt
+
+    @trainrec.record
+    class State:
+        micro: int
+        rng: trt.TorchRngRecord
+
+    torch.manual_seed(0)
+    holder = nn.Module()
+    holder.params = nn.ParameterList([nn.Parameter(torch.randn(per)) for _ in range(PARAMS)])
+    fully_shard(holder)
+    opt = torch.optim.AdamW(holder.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    for p in holder.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in holder.parameters():
+        p.grad = torch.randn_like(p)  # pending
+    state = State(3, trt.TorchRngRecord.capture())
+    rec = trt.DCPRecorder()
+    rows = {}
+    paths = {i: fresh("fsdp-rec", i) for i in range(repeats)}
+    rows["DCPRecorder save (FSDP2, + grads)"] = timed(
+        lambda i: rec.save(paths[i], holder, opt, sched, state))
+    rows["DCPRecorder load (FSDP2, + grads)"] = timed(
+        lambda i: rec.load(paths[i], holder, opt, sched, state_type=State))
+    msd, osd = get_state_dict(holder, opt)
+    grads = {n: p.grad for n, p in holder.named_parameters()}
+    plain = {"model": msd, "optim": osd, "grads": grads}
+    dirs = {i: fresh("fsdp-dcp", i) for i in range(repeats)}
+    rows["dcp.save (FSDP2, same state)"] = timed(lambda i: dcp.save(plain, checkpoint_id=dirs[i]))
+    rows["dcp.load (FSDP2, same state)"] = timed(lambda i: dcp.load(plain, checkpoint_id=dirs[i]))
+    return rows
 
 
 def main() -> None:
@@ -125,11 +177,13 @@ def main() -> None:
     single = {"save": rows["NamedMpkFileRecorder save (one process)"],
               "load": rows["NamedMpkFileRecorder load (one process)"]}
     peer = {"save": rows["dcp.save (model + optimizer)"], "load": rows["dcp.load (model + optimizer)"]}
+    fsdp = {"save": rows["dcp.save (FSDP2, same state)"], "load": rows["dcp.load (FSDP2, same state)"]}
     print(f"2 ranks, gloo on CPU, {args.size} of state per rank, median of {args.repeats}")
     print(f"{'row':44} {'seconds':>9} {'x one process':>14} {'x dcp':>7}")
     for name, seconds in rows.items():
         op = "save" if "save" in name else "load"
-        print(f"{name:44} {seconds:9.3f} {seconds / single[op]:14.2f} {seconds / peer[op]:7.2f}")
+        against = fsdp if "FSDP2" in name else peer
+        print(f"{name:44} {seconds:9.3f} {seconds / single[op]:14.2f} {seconds / against[op]:7.2f}")
     if args.json is not None:
         args.json.write_text(json.dumps({"size": nbytes, "repeats": args.repeats, "rows": rows}, indent=1))
 

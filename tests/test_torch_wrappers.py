@@ -180,7 +180,7 @@ def test_fully_shard_keeps_names_and_its_sharded_tensors_are_refused_clearly():
     model = sharded()
     assert trainrec.adapt(model).param_ids() == [n for n, _ in plain().named_parameters()]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with pytest.raises(RecorderError, match=r"DTensor.*fully_shard.*torch\.distributed\.checkpoint"):
+    with pytest.raises(RecorderError, match=r"DTensor.*fully_shard.*DCPRecorder \(torch\.distributed\.checkpoint"):
         TrainingRecord.capture(model, opt, None, GradientsAccumulator(), State(0))
     model(torch.randn(6, 4)).sum().backward()
     with pytest.raises(RecorderError, match="gradient of '0.weight' is a DTensor"):

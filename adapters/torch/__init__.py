@@ -7,7 +7,9 @@ Pass your native `nn.Module`, `torch.optim.Optimizer` and scheduler to
 `TorchFileRecorder` writes `.pt` files that `torch.load(weights_only=True)` reads.
 Models wrapped by `torch.compile`, DDP or DataParallel are recorded under the plain
 model's ParamIds (`unwrap(model)` is the model inside); `DistributedRecorder` saves a
-DDP run's checkpoint, every rank's pending gradients and state included, as one commit.
+DDP run's checkpoint, every rank's pending gradients and state included, as one commit;
+`DCPRecorder` saves an FSDP2 (`fully_shard`) run's through `torch.distributed.checkpoint`
+(resharded on load to another world size).
 
 Importing this package imports no torch: each name is loaded on first use (so
 `trainrec.adapters.torch.neutral`, the conversion form, works without torch installed).
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .backend import TorchBackend
     from .bindings import ADAPTER, TorchAdapter, TorchLrScheduler, TorchModule, TorchOptimizer
+    from .dcp import DCPRecorder, DCPRestored
     from .distributed import DistributedRecorder
     from .grads import grads_from, set_grads
     from .recorder import BF16PrecisionSettings, TorchFileRecorder, TorchPrecisionSettings
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ADAPTER",
     "BF16PrecisionSettings",
+    "DCPRecorder",
+    "DCPRestored",
     "DistributedRecorder",
     "TorchAdapter",
     "TorchBackend",
@@ -55,6 +60,7 @@ _HOME = {
     "grads_from": "grads", "set_grads": "grads", "BF16PrecisionSettings": "recorder",
     "TorchFileRecorder": "recorder", "TorchPrecisionSettings": "recorder", "TorchRngRecord": "rng",
     "unwrap": "wrappers", "DistributedRecorder": "distributed",
+    "DCPRecorder": "dcp", "DCPRestored": "dcp",
 }
 
 

@@ -10,7 +10,8 @@ component that only enters a wrapper is dropped. A record captured through wrapp
 restores into the plain model and the reverse.
 
 FSDP2 (`fully_shard`) renames nothing, but its parameters are `DTensor`s sharded
-across ranks: `refuse_dtensors` says so, clearly, wherever trainrec would copy one.
+across ranks: `refuse_dtensors` says so, clearly, wherever trainrec would copy one, and
+points to `DCPRecorder`, which saves them through `torch.distributed.checkpoint`.
 
 Wrapper types are found without importing what the caller has not imported
 (`torch._dynamo`, `torch.distributed.tensor`): a type whose module is not loaded
@@ -108,8 +109,9 @@ def refuse_dtensors(named: Iterable[tuple[str, object]], what: str) -> None:
             raise RecorderError(
                 f"{what} {name!r} is a DTensor (sharded by FSDP2's fully_shard, or by tensor "
                 "parallelism): a TrainingRecord holds one process's whole tensors, and a "
-                "shard is not one. Sharded training is saved through "
-                "torch.distributed.checkpoint, which trainrec's torch adapter does not offer "
-                "yet; for data parallelism with whole parameters on every rank use "
-                "DistributedDataParallel with trainrec.adapters.torch.DistributedRecorder",
+                "shard is not one. Save sharded training with "
+                "trainrec.adapters.torch.DCPRecorder (torch.distributed.checkpoint: model, "
+                "optimizer and pending gradients, resharded on load); for data parallelism "
+                "with whole parameters on every rank use DistributedDataParallel with "
+                "trainrec.adapters.torch.DistributedRecorder",
                 key=f"model.{name}")

@@ -1,0 +1,437 @@
+"""`DCPRecorder`: one checkpoint of a sharded (FSDP2, `fully_shard`) run, written through
+`torch.distributed.checkpoint` (DCP) and committed once.
+
+A save is collective: every rank calls `DCPRecorder().save(path, model, optimizer,
+scheduler, state)`. The directory holds
+
+- `dcp/`: one DCP checkpoint (`.metadata` and `__{rank}_0.distcp` files), written by
+  `dcp.save` from `{"model": ..., "optim": ..., "grads": ...}`: the model's and optimizer's
+  state dicts from `torch.distributed.checkpoint.state_dict.get_state_dict` (sharded
+  `DTensor`s under the plain model's parameter names), and the pending gradients, each
+  parameter's `.grad` (a sharded `DTensor` that FSDP2 reduce-scatters and accumulates
+  every micro-step), under the same names;
+- `rank-{r:05d}-of-{n:05d}.mpk`, by rank r (`NamedMpkFileRecorder`, every dtype kept): the
+  scheduler's state and the caller's state (counters, `TorchRngRecord`), each rank's own;
+- `manifest.json`, by rank 0, last: format `trainrec.dcp`, version, world size, the save's id
+  (which every part repeats), the part names, the parameters with a pending gradient and
+  whether the optimizer had state.
+
+The commit is `DistributedRecorder`'s (`_Commit`, spec/PROTOCOLS.md, "Distributed
+records"): DCP and the parts are written into a temp directory next to `path`, and rank 0
+renames it to `path` only when every rank's writes succeeded. `path` exists exactly when the
+checkpoint is complete; a rank that fails or dies mid-save leaves earlier checkpoints as
+they were.
+
+A load is collective too (`dcp.load` plans with the other ranks). Model, optimizer and
+pending gradients are read by DCP into the live run's own sharding, so a checkpoint of n
+ranks loads into m ranks with every value unchanged (resharding). The scheduler is
+replicated (the same on every rank). The caller's state is each rank's own, and nothing maps
+n ranks' states onto m: at another world size `load` refuses unless `rank_state` says what
+to do (`"drop"`: no caller state; an int r: rank r's state on every rank).
+
+`save(..., async_save=True)` copies the state, starts `dcp.async_save` and returns a
+`Future`; a background thread waits for DCP's write, then meets the other ranks and commits,
+on a process group of its own (the group DCP itself asks for its `async_save`).
+
+`set_requires_gradient_sync(False)` keeps the micro-steps' gradients unsharded inside FSDP
+(`FSDPParam`'s unsharded gradient), which no public API reads or writes: a save then is
+refused, saying how to accumulate instead.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+import trainrec
+from trainrec import (
+    CorruptRecordError,
+    FileMissingError,
+    NamedMpkFileRecorder,
+    NativePrecisionSettings,
+    RecorderError,
+    RecordMismatchError,
+    StateRecord,
+    UnsupportedVersionError,
+)
+from trainrec.adapter_kit import path_arg
+
+from .bindings import TorchLrScheduler
+from .distributed import _Commit, _rank_world, _safe_name
+from .wrappers import is_dtensor, named_parameters
+
+__all__ = ["DCPRecorder", "DCPRestored"]
+
+FORMAT = "trainrec.dcp"
+VERSION = (1, 0)
+MANIFEST = "manifest.json"
+DCP_DIR = "dcp"
+_PART = "trainrec.dcp.part"
+_NATIVE = NativePrecisionSettings()
+
+U = TypeVar("U")
+
+
+@dataclass
+class DCPRestored(Generic[U]):
+    """What `DCPRecorder.load` returns: the caller's state (None when the checkpoint has none,
+    or `rank_state="drop"`) and the world size the checkpoint was saved with."""
+
+    state: U | None
+    saved_world_size: int
+
+
+class DCPRecorder:
+    """Saves and loads an FSDP2 (`fully_shard`) run's checkpoint through
+    `torch.distributed.checkpoint`: model, optimizer and pending `.grad` as DCP (sharded,
+    resharded on load), the scheduler and each rank's caller state beside it, one commit.
+
+    `group`: the process group whose ranks save together (default: the world).
+
+    Example::
+
+        rec = trt.DCPRecorder()
+        state.rng = trt.TorchRngRecord.capture()
+        rec.save(root / f"step-{micro:08d}", model, optimizer, scheduler, state)  # every rank
+        ...
+        state = rec.load(path, model, optimizer, scheduler, state_type=State).state
+        state.rng.apply()
+
+    `save(..., async_save=True)` returns a `Future` of the path once the state is copied:
+    `dcp.async_save` writes it and the commit follows in a background thread, on a process
+    group of its own (`DCPRecorder(group=dist.new_group(backend="gloo"))`; see `save`).
+    """
+
+    def __init__(self, *, group: Any = None) -> None:
+        self.group = group
+        self._pending: Future[Path] | None = None
+
+    def __repr__(self) -> str:
+        return "DCPRecorder()"
+
+    # -- save ------------------------------------------------------------------------------
+
+    def save(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any = None, state: Any = None, *, async_save: bool = False) -> Any:
+        """Collective: write the checkpoint `path` (a directory that must not exist yet) and
+        return it once rank 0 committed it. Every rank raises `RecorderError` when any rank
+        failed, and nothing is committed.
+
+        `async_save=True` returns a `concurrent.futures.Future` of the `Path` as soon as the
+        state is staged (copied; training may go on and change it) and this rank's part is
+        written: `dcp.async_save` writes the shards in a background thread, which then meets
+        the other ranks and commits. Its collectives run on `group`, which must then be a
+        process group of its own, not one training uses (e.g. `dist.new_group(backend="gloo")`,
+        as DCP asks for its own `async_save`); a second save first waits for the previous one.
+        The future raises what the save would have raised."""
+        path = path_arg(path)
+        _check_objects(model, optimizer, scheduler)
+        if state is not None and not hasattr(state, "into_item"):
+            raise TypeError(f"state must be a Record (e.g. a @trainrec.record dataclass) or "
+                            f"None, got {type(state).__name__}")
+        rank, world = _rank_world(self.group)
+        if async_save and world > 1 and self.group is None:
+            raise ValueError(
+                "async_save=True runs the commit's collectives in a background thread: give "
+                "DCPRecorder a process group of its own, DCPRecorder(group=dist.new_group("
+                "backend='gloo')), so they never interleave with training's")
+        refuse_unsynced_gradients(model)
+        if self._pending is not None:
+            wait([self._pending])  # its outcome is its own future's
+        commit = _Commit(path, rank, world, self.group)
+        if rank == 0:
+            commit.prepare()
+        commit.begin(None)
+        params = dict(named_parameters(model))
+        grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+        had_state = bool(optimizer.state)
+        upload: Future[Any] | None = None
+        failed: BaseException | None = None
+        try:
+            msd, osd = _state_dicts(model, optimizer, params)
+            part = {
+                "rank": rank, "world_size": world, "save_id": commit.token,
+                "scheduler": None if scheduler is None
+                else TorchLrScheduler(scheduler).into_record().into_item(_NATIVE),
+                "state": None if state is None else state.into_item(_NATIVE),
+            }
+            NamedMpkFileRecorder(_NATIVE).save_item(
+                part, commit.temp / _part_name(rank, world), _PART)
+            tree = {"model": msd, "optim": osd, "grads": grads}
+            if async_save:
+                # staged here: DCP's stager refuses FSDP2's parameter storages ("invalid
+                # python storage", torch 2.13), and a copy is what staging makes anyway
+                tree = _copy(tree)
+                upload = dcp_async_save(tree, checkpoint_id=commit.temp / DCP_DIR,  # type: ignore[assignment]
+                                        process_group=self.group)  # a Future: no async_stager given
+            else:
+                dcp_save(tree, checkpoint_id=commit.temp / DCP_DIR, process_group=self.group)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of
+            failed = e  # it, then it is raised (DCP's CheckpointException is a BaseException)
+        manifest = {
+            "format": FORMAT, "version": list(VERSION), "trainrec": trainrec.__version__,
+            "record": "TrainingRecord", "world_size": world, "save_id": commit.token,
+            "parts": [_part_name(r, world) for r in range(world)], "dcp": DCP_DIR,
+            "grads": sorted(grads), "optimizer_state": had_state,
+            "scheduler": scheduler is not None, "state": state is not None,
+        }
+
+        def finish() -> Path:
+            error = failed
+            if upload is not None:
+                try:
+                    upload.result()
+                except (Exception, CheckpointException) as e:  # noqa: BLE001
+                    error = e
+            if error is None:
+                commit.wrote(0)
+            elif isinstance(error, Exception):
+                commit.fail(error)
+            else:
+                commit.fail(RecorderError(f"torch.distributed.checkpoint could not save: {error}",
+                                          source=str(path)))
+            commit.finish(manifest)
+            return Path(path)
+
+        if not async_save:
+            return finish()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainrec-dcp-commit")
+        self._pending = pool.submit(finish)
+        pool.shutdown(wait=False)  # the thread ends with `finish`
+        return self._pending
+
+    # -- load ------------------------------------------------------------------------------
+
+    def load(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any = None, *, state_type: type[U] | None = None,
+             rank_state: str | int = "own") -> DCPRestored[U]:
+        """Collective: restore the checkpoint `path` into the live (sharded) `model`,
+        `optimizer` and `scheduler`, pending `.grad` included, and return the caller's state
+        rebuilt as `state_type` (the raw item tree without one).
+
+        At the saved world size every rank gets its own state. At another world size model,
+        optimizer and gradients are resharded, and `rank_state` chooses the caller state:
+        `"own"` (default) refuses with `RecordMismatchError`, `"drop"` returns none, an int r
+        gives every rank rank r's (its RNG too: the ranks then draw alike unless the caller
+        reseeds). Everything is checked and read before the live objects change: a rejected
+        load leaves them as they were."""
+        path = path_arg(path)
+        _check_objects(model, optimizer, scheduler)
+        manifest = _read_manifest(path)
+        saved = manifest["world_size"]
+        rank, world = _rank_world(self.group)
+        if rank_state == "own":
+            if saved != world:
+                raise RecordMismatchError(
+                    f"the checkpoint was saved by {saved} rank(s), this run has {world}: the "
+                    "model, optimizer and pending gradients reshard, but each rank's caller "
+                    "state (counters, RNG) is its own and no rule maps it onto another number "
+                    "of ranks; pass rank_state='drop' (no caller state) or rank_state=r (rank "
+                    f"r's on every rank), or resume with {saved} rank(s)", source=str(path))
+            source: int | None = rank
+        elif rank_state == "drop":
+            source = None
+        elif type(rank_state) is int:
+            if not 0 <= rank_state < saved:
+                raise ValueError(f"rank_state must be a rank in [0, {saved}), got {rank_state}")
+            source = rank_state
+        else:
+            raise ValueError(f"rank_state must be 'own', 'drop' or a rank (int), got {rank_state!r}")
+        # the scheduler is replicated: rank 0's part holds it when ours is not read
+        part = _read_part(path, manifest, 0 if source is None else source)
+        params = dict(named_parameters(model))
+        missing = [n for n in manifest["grads"] if n not in params]
+        if missing:
+            raise RecordMismatchError("pending gradient for a parameter the model lacks",
+                                      key=f"grads.{missing[0]}", source=str(path))
+        sched_record = None
+        if scheduler is not None:
+            if part.get("scheduler") is None:
+                raise RecordMismatchError("the checkpoint holds no scheduler state, a scheduler "
+                                          "was given", key="scheduler", source=str(path))
+            sched_record = StateRecord.from_item(part["scheduler"], None, key="scheduler")
+            TorchLrScheduler(scheduler).check_record(sched_record)
+        state: Any = None
+        if source is not None and part.get("state") is not None:
+            device = _local_device(model)
+            item = part["state"]
+            try:
+                state = item if state_type is None else state_type.from_item(item, device)  # type: ignore[attr-defined]
+            except RecorderError:
+                raise
+            except (TypeError, ValueError, KeyError) as e:
+                raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state",
+                                         source=str(path)) from e
+        msd, osd = _state_dicts(model, optimizer, params)
+        target = {"model": _empty(msd), "optim": _empty(osd),
+                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
+        try:
+            dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
+                                f"optimizer and pending gradients: {e}", source=str(path)) from e
+        set_state_dict(model, optimizer, model_state_dict=target["model"],
+                       optim_state_dict=target["optim"])
+        if not manifest["optimizer_state"]:
+            optimizer.state.clear()  # saved before its first step: no state, as then
+        for n, p in params.items():
+            p.grad = target["grads"].get(n)
+        if scheduler is not None and sched_record is not None:
+            TorchLrScheduler(scheduler).load_record(sched_record)
+        return DCPRestored(state, saved)
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                 params: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`get_state_dict(model, optimizer)`, the optimizer's state always in it, the live
+    objects as they were. An optimizer before its first step has none, and get_state_dict
+    makes it (one step at lr 0, which leaves the parameters as they are) only when no
+    parameter has a gradient: the pending ones are set aside meanwhile, and the state made
+    is dropped again (the manifest's `optimizer_state` says the run had none), so a save and
+    a load agree on the keys wherever in the first window they happen."""
+    had_state = bool(optimizer.state)
+    live_grads = {n: p.grad for n, p in params.items()}
+    if not had_state:
+        for p in params.values():
+            p.grad = None
+    try:
+        msd, osd = get_state_dict(model, optimizer)
+    finally:
+        if not had_state:
+            optimizer.state.clear()
+            for n, p in params.items():
+                p.grad = live_grads[n]
+    return msd, osd
+
+
+def refuse_unsynced_gradients(model: nn.Module) -> None:
+    """Raise `RecorderError` when an FSDP2 module holds gradients accumulated with
+    `set_requires_gradient_sync(False)`: they live unsharded inside FSDP, where no public
+    API reads or writes them, so no checkpoint can keep them."""
+    for name, module in model.named_modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if (getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
+                    or (unsharded is not None and unsharded.grad is not None)):
+                raise RecorderError(
+                    f"FSDP module {name or '<root>'!r} holds gradients accumulated with "
+                    "set_requires_gradient_sync(False): they stay unsharded inside FSDP, and no "
+                    "public API reads or restores them, so a checkpoint would lose them. "
+                    "Checkpoint after the window's last (synced) backward, or accumulate with "
+                    "gradient sync on (the default: each micro-step's gradient is "
+                    "reduce-scattered into the sharded .grad, which DCPRecorder saves)",
+                    key=f"model.{name}")
+
+
+def _check_objects(model: Any, optimizer: Any, scheduler: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if scheduler is not None and not hasattr(scheduler, "state_dict"):
+        raise TypeError(f"scheduler must be a torch LR scheduler or None, got {type(scheduler).__name__}")
+
+
+def _local_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.to_local().device if is_dtensor(p) else p.device  # type: ignore[attr-defined]
+    return torch.device("cpu")
+
+
+def _copy(tree: Any) -> Any:
+    """The state dict with every tensor copied (a DTensor stays one, its shard copied)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copy(v) for v in tree]
+    return tree
+
+
+def _empty(tree: Any) -> Any:
+    """The state dict with every tensor a new one of its kind (dtype, shape, sharding; its
+    values unset): DCP loads into it, the live objects stay as they are until all was read
+    (DCP refuses a checkpoint that lacks any of its keys, so none stays unset)."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {k: _empty(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_empty(v) for v in tree]
+    return tree
+
+
+def _part_name(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.mpk"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise FileMissingError("no committed DCP checkpoint here (a save commits its directory "
+                               "by renaming it into place)", source=str(path))
+    try:
+        doc = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
+                                 "DCPRecorder committed", source=str(path)) from None
+    except (OSError, ValueError) as e:
+        raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
+    version = doc.get("version")
+    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
+        raise CorruptRecordError("malformed version", source=str(file), key="version")
+    if version[0] != VERSION[0]:
+        raise UnsupportedVersionError(f"format version {version[0]}.{version[1]}, this trainrec "
+                                      f"reads {VERSION[0]}.x", source=str(file))
+    world = doc.get("world_size")
+    parts = doc.get("parts")
+    checks = {
+        "world_size": type(world) is int and world >= 1,
+        "save_id": isinstance(doc.get("save_id"), str),
+        "parts": isinstance(parts, list) and len(parts) == world and all(
+            isinstance(p, str) and _safe_name(p) for p in parts),
+        "dcp": isinstance(doc.get("dcp"), str) and _safe_name(doc["dcp"]),
+        "grads": isinstance(doc.get("grads"), list) and all(isinstance(g, str) for g in doc["grads"]),
+        "optimizer_state": isinstance(doc.get("optimizer_state"), bool),
+    }
+    for key, ok in checks.items():
+        if not ok:
+            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+    if not (path / doc["dcp"] / ".metadata").is_file():
+        raise CorruptRecordError("the DCP checkpoint's .metadata is missing",
+                                 source=str(path / doc["dcp"]))
+    return doc
+
+
+def _read_part(path: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    file = path / manifest["parts"][rank]
+    if not file.is_file():
+        raise CorruptRecordError("a part the manifest lists is missing", source=str(file))
+    header, item = trainrec.read_file(file)
+    if header.record_type != _PART or not isinstance(item, dict):
+        raise CorruptRecordError(f"holds a {header.record_type}, not a {_PART}", source=str(file))
+    want = {"rank": rank, "world_size": manifest["world_size"], "save_id": manifest["save_id"]}
+    for key, value in want.items():
+        if item.get(key) != value:
+            raise CorruptRecordError(
+                f"{key} is {item.get(key)!r}, the manifest says {value!r} (a part of another "
+                "save, or of another rank)", source=str(file), key=key)
+    return item

@@ -1,0 +1,340 @@
+"""FSDP2 (`fully_shard`) through `torch.distributed.checkpoint`: `DCPRecorder` keeps the
+sharded model, optimizer and pending `.grad`, a mid-window checkpoint resumes bitwise in
+fresh processes, 2 -> 4 and 4 -> 2 ranks reshard every value unchanged, per-rank caller
+state at another world size is refused unless the caller chooses, gradients accumulated
+with `set_requires_gradient_sync(False)` are refused, and a rank killed inside DCP's write
+commits nothing.
+
+The runs (tests/fsdp_run.py: gloo on CPU, spawned processes, a tiny model) go in two
+bounded phases: the uninterrupted 2-rank run (checkpoints at micro-steps 4 and 8, the
+second asynchronous, then the killed save); then the 2-rank resumes beside the 4-rank
+processes, which first load the 2-rank checkpoint, resharded, then save their own at
+micro-step 4, which the 2 ranks load last. Dumps hold full (gathered) tensors, compared bitwise on this machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import trainrec  # noqa: E402
+import trainrec.adapters.torch as trt  # noqa: E402
+from trainrec import CorruptRecordError, FileMissingError, RecordMismatchError  # noqa: E402
+
+RUN = Path(__file__).with_name("fsdp_run.py")
+PHASE_TIMEOUT_S = 120
+A, B, STEPS = 4, 8, 9  # as in fsdp_run.py
+
+
+def _phase(out: Path, runs: list[tuple[str, int]], device: str = "cpu") -> None:
+    procs = []
+    for mode, world in runs:
+        store = out / f"store-{world}-{mode.replace(':', '-').replace('+', '-')}"
+        for rank in range(world):
+            procs.append((mode, world, rank, subprocess.Popen(
+                [sys.executable, str(RUN), mode, str(rank), str(world), str(store), str(out)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "FSDP_RUN_DEVICE": device})))
+    failures = []
+    for mode, world, rank, p in procs:
+        try:
+            text, _ = p.communicate(timeout=PHASE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for *_, q in procs:
+                q.kill()
+            pytest.fail(f"the {world}-rank run {mode!r} did not finish in {PHASE_TIMEOUT_S} s")
+        killed = mode == "checkpoint" and world == 2 and rank == 1
+        if p.returncode != (-9 if killed else 0):
+            failures.append(f"{mode} ({world} ranks) rank {rank} exited {p.returncode}:\n{text[-3000:]}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("fsdp")
+    (out / "ckpt2").mkdir()
+    (out / "ckpt4").mkdir()
+    _phase(out, [("checkpoint", 2)])
+    # the 2 ranks load the 4 ranks' step-A once they committed it
+    _phase(out, [(f"resume+reshard:4:{A}", 2), (f"reshard:2:{B}+checkpoint", 4)])
+    return out
+
+
+def _load(path: Path):
+    return torch.load(path, weights_only=True)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("step", [A, B])
+def test_a_mid_window_checkpoint_resumes_bitwise_on_every_rank(runs, step):
+    for rank in range(2):
+        final, resumed = _load(runs / f"final2-{rank}.pt"), _load(runs / f"resumed2-{step}-{rank}.pt")
+        assert _same(final, resumed), f"rank {rank}, resumed from micro-step {step}"
+    # the checkpoint was mid-window: gradients were pending, sharded
+    at = _load(runs / f"at2-{step}-0.pt")
+    assert len(at["grads"]) == 4 and all(g.abs().sum() > 0 for g in at["grads"].values())
+    # each rank's RNG is its own (each draws its own batches): one copy would not do
+    assert not torch.equal(_load(runs / "final2-0.pt")["rng"], _load(runs / "final2-1.pt")["rng"])
+
+
+@pytest.mark.parametrize(("saved", "world", "step"), [(2, 4, B), (4, 2, A)])
+def test_another_world_size_reshards_model_optimizer_and_gradients_unchanged(runs, saved, world, step):
+    at = _load(runs / f"at{saved}-{step}-0.pt")
+    assert at["grads"] and at["optim"]
+    for rank in range(world):
+        loaded = _load(runs / f"resharded{saved}to{world}-{step}-{rank}.pt")
+        for key in ("params", "grads", "optim", "lr"):
+            assert _same(at[key], loaded[key]), (key, rank)
+        refusal = (runs / f"refused{saved}to{world}-{rank}.txt").read_text()
+        assert f"saved by {saved} rank(s), this run has {world}" in refusal
+        assert "rank_state='drop'" in refusal
+
+
+def test_the_checkpoint_is_a_dcp_directory_with_rank_parts(runs):
+    path = runs / "ckpt4" / f"step-{A:08d}"
+    assert sorted(os.listdir(path)) == ["dcp", "manifest.json"] + [
+        f"rank-{r:05d}-of-00004.mpk" for r in range(4)]
+    assert sorted(os.listdir(path / "dcp")) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path / "dcp")).read_metadata().state_dict_metadata
+    assert {"model.0.weight", "grads.0.weight", "grads.2.bias"} <= set(keys)
+    assert any(k.startswith("optim.state.0.weight.exp_avg") for k in keys)
+
+
+def test_unsynced_accumulation_is_refused_with_the_way_out(runs):
+    for rank in range(4):
+        error = (runs / f"unsynced-error-{rank}.txt").read_text()
+        assert "set_requires_gradient_sync(False)" in error and "gradient sync on" in error
+    assert not (runs / "ckpt4" / "unsynced").exists()
+
+
+def test_an_async_save_without_a_group_of_its_own_is_refused(runs):
+    for rank in range(2):
+        error = (runs / f"async-needs-a-group-{rank}.txt").read_text()
+        assert "process group of its own" in error and "new_group" in error
+    assert not (runs / "ckpt2" / "no-group").exists()
+
+
+def test_a_rank_killed_during_dcp_s_write_leaves_the_previous_checkpoint_loadable(runs):
+    error = (runs / "kill-error.txt").read_text()
+    assert error.startswith("RecorderError: the ranks could not meet") and "nothing was committed" in error
+    assert sorted(os.listdir(runs / "ckpt2")) == [f"step-{A:08d}", f"step-{B:08d}"]
+    # and the previous checkpoint was resumed from, bitwise, above (step B)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccl_ranks_on_gpus_resume_bitwise_from_mid_window(tmp_path):
+    """The 2-rank run and its resumes on NCCL, one GPU per rank (needs two GPUs)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    (tmp_path / "ckpt2").mkdir()
+    _phase(tmp_path, [("checkpoint", 2)], "cuda")
+    _phase(tmp_path, [("resume", 2)], "cuda")
+    for step in (A, B):
+        for rank in range(2):
+            assert _same(_load(tmp_path / f"final2-{rank}.pt"),
+                         _load(tmp_path / f"resumed2-{step}-{rank}.pt")), (step, rank)
+
+
+# -- in this process: reading and refusing, no process group needed -------------------------
+
+
+@pytest.fixture
+def saved(runs, tmp_path):
+    return Path(shutil.copytree(runs / "ckpt2" / f"step-{A:08d}", tmp_path / "step"))
+
+
+def _edit_manifest(path: Path, **changes):
+    import json
+
+    doc = json.loads((path / "manifest.json").read_text())
+    doc.update(changes)
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+def _plain():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+@pytest.mark.parametrize(("damage", "error", "match"), [
+    (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
+    (lambda p: _edit_manifest(p, format="trainrec.distributed"), CorruptRecordError, "not a trainrec.dcp"),
+    (lambda p: _edit_manifest(p, version=[2, 0]), trainrec.UnsupportedVersionError, "version 2.0"),
+    (lambda p: _edit_manifest(p, world_size=0), CorruptRecordError, "malformed world_size"),
+    (lambda p: _edit_manifest(p, dcp="../x"), CorruptRecordError, "malformed dcp"),
+    (lambda p: _edit_manifest(p, grads="0.weight"), CorruptRecordError, "malformed grads"),
+    (lambda p: (p / "dcp" / ".metadata").unlink(), CorruptRecordError, r"\.metadata is missing"),
+    (lambda p: _edit_manifest(p, save_id="000000000000"), CorruptRecordError, "a part of another save"),
+    (lambda p: (p / "rank-00000-of-00002.mpk").unlink(), CorruptRecordError, "part the manifest lists is missing"),
+    (lambda p: _edit_manifest(p, grads=["nope.weight"]), RecordMismatchError, "parameter the model lacks"),
+])
+def test_a_damaged_checkpoint_is_refused_before_anything_changes(saved, damage, error, match):
+    damage(saved)
+    model, opt = _plain()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match):
+        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_misuse_is_refused(saved, tmp_path):
+    model, opt = _plain()
+    with pytest.raises(RecordMismatchError, match=r"saved by 2 rank\(s\), this run has 1"):
+        trt.DCPRecorder().load(saved, model, opt)
+    with pytest.raises(ValueError, match=r"rank_state must be a rank in \[0, 2\), got 2"):
+        trt.DCPRecorder().load(saved, model, opt, rank_state=2)
+    with pytest.raises(ValueError, match="rank_state must be 'own', 'drop' or a rank"):
+        trt.DCPRecorder().load(saved, model, opt, rank_state="first")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        trt.DCPRecorder().load(saved, object(), opt)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        trt.DCPRecorder().save(tmp_path / "x", model, object())
+    with pytest.raises(TypeError, match="state must be a Record"):
+        trt.DCPRecorder().save(tmp_path / "x", model, opt, None, {"micro": 1})
+    with pytest.raises(FileMissingError, match="no committed DCP checkpoint"):
+        trt.DCPRecorder().load(tmp_path / "missing", model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    _edit_manifest(saved, world_size=1, parts=["rank-00000-of-00002.mpk"])
+    with pytest.raises(CorruptRecordError, match="world_size is 2, the manifest says 1"):
+        trt.DCPRecorder().load(saved, model, opt, sched)
+
+
+@trainrec.record
+class Counter:
+    micro: int
+    half: torch.Tensor
+
+
+def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_path):
+    """No process group: one rank, plain tensors (DCP runs without one); bf16 parameters
+    and optimizer state, pending .grad, scheduler and caller state come back equal, dtype
+    included; a save before the optimizer's first step leaves it without state."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    early = trt.DCPRecorder().save(tmp_path / "step-0", model, opt, sched, Counter(0, torch.zeros(1)))
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    model(torch.randn(5, 3, dtype=torch.bfloat16)).sum().backward()
+    first = trt.DCPRecorder().save(tmp_path / "step-1", model, opt, sched, Counter(1, torch.zeros(1)))
+    assert not opt.state and all(p.grad is not None for p in model.parameters())
+    pending = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    sched.step()
+    model(torch.randn(5, 3, dtype=torch.bfloat16)).sum().backward()  # pending
+    state = Counter(4, torch.arange(3, dtype=torch.bfloat16))
+    path = trt.DCPRecorder().save(tmp_path / "step-4", model, opt, sched, state)
+    assert path == tmp_path / "step-4"
+    with pytest.raises(trainrec.RecorderError, match="never replaced"):
+        trt.DCPRecorder().save(path, model, opt, sched, state)
+
+    torch.manual_seed(1)
+    model2 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+    back = trt.DCPRecorder().load(path, model2, opt2, sched2, state_type=Counter)
+    assert back.state.micro == 4 and back.saved_world_size == 1
+    assert back.state.half.dtype == torch.bfloat16 and torch.equal(back.state.half, state.half)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert q.dtype == torch.bfloat16 and torch.equal(p, q) and torch.equal(p.grad, q.grad)
+        assert _same(opt.state[p], opt2.state[q])
+    assert sched2.state_dict() == sched.state_dict()
+
+    # async: the state is staged when save returns; training may change it meanwhile
+    future = trt.DCPRecorder().save(tmp_path / "step-5", model, opt, sched, state, async_save=True)
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    assert future.result() == tmp_path / "step-5"
+    trt.DCPRecorder().load(tmp_path / "step-5", model2, opt2, sched2, state_type=Counter)
+    assert all(torch.equal(a, b) for a, b in zip(saved, model2.parameters()))
+
+    torch.manual_seed(2)
+    model3 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
+    trt.DCPRecorder().load(early, model3, opt3)
+    assert not opt3.state and all(p.grad is None for p in model3.parameters())
+    # mid first window, before the first step: the pending gradients, no optimizer state,
+    # and the step taken from there is the one the run took
+    model4 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    opt4 = torch.optim.AdamW(model4.parameters(), lr=1e-2)
+    trt.DCPRecorder().load(first, model4, opt4)
+    assert not opt4.state
+    assert all(torch.equal(g, p.grad) for g, p in zip(pending, model4.parameters()))
+    opt4.step()
+    assert all(torch.equal(a, b) for a, b in zip(saved, model4.parameters()))
+    # the parameters saved at step 0 (seed 0), not model3's own (seed 2)
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
+    assert all(torch.equal(p, q) for p, q in zip(model3.parameters(), first.parameters()))
+
+
+def test_a_damaged_shard_file_is_refused_and_the_live_objects_stay(saved):
+    shard = saved / "dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    model, opt = _plain()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(trainrec.RecorderError, match="torch.distributed.checkpoint could not load"):
+        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+def test_the_2_rank_sharded_checkpoint_loads_into_one_plain_process_unchanged(runs, saved):
+    """2 -> 1: DCP gathers the shards into whole tensors of a model that is not sharded."""
+    model, opt = _plain()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    back = trt.DCPRecorder().load(saved, model, opt, sched, rank_state=0)
+    assert back.state["micro"] == A and back.saved_world_size == 2
+    at = _load(runs / f"at2-{A}-0.pt")
+    params = dict(model.named_parameters())
+    assert _same(at["params"], {n: p.detach() for n, p in params.items()})
+    assert _same(at["grads"], {n: p.grad for n, p in params.items()})
+    assert _same(at["optim"], {n: opt.state[p] for n, p in params.items()})
+    assert sched.get_last_lr() == at["lr"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_dcp_write_commits_nothing_and_leaves_no_temp_directory(tmp_path, monkeypatch, async_save):
+    """DCP reports a failed write as a CheckpointException, a BaseException: it is caught,
+    told to every rank and raised as a RecorderError, and the temp directory goes."""
+    from torch import nn
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def refuse(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters())
+    monkeypatch.setattr(FileSystemWriter, "write_data", refuse)
+    with pytest.raises(trainrec.RecorderError, match="No space left on device"):
+        out = trt.DCPRecorder().save(tmp_path / "step-1", model, opt, async_save=async_save)
+        out.result()
+    assert os.listdir(tmp_path) == []
