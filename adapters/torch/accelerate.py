@@ -129,6 +129,7 @@ class ExactResume:
         }
         for i, dl in enumerate(loaders):
             counters[f"accelerate_dataloader{i}_iteration"] = int(getattr(dl, "iteration", 0))
+            counters[f"accelerate_dataloader{i}_in_last_batch"] = int(_in_last_batch(dl))
         return pack(self._module(), self.state, counters,
                     rng=TorchRngRecord.capture(*_generators(loaders)))
 
@@ -142,8 +143,8 @@ class ExactResume:
                 f"prepared {len(loaders)}: prepare the same dataloaders (with "
                 "DataLoaderConfiguration(use_stateful_dataloader=True)) before load_state"
             )
-        counters = _COUNTERS + tuple(f"accelerate_dataloader{i}_iteration"
-                                     for i in range(len(loaders)))
+        counters = _COUNTERS + tuple(f"accelerate_dataloader{i}_{what}" for i in range(len(loaders))
+                                     for what in ("iteration", "in_last_batch"))
         pending = unpack(state_dict, module, None if self.state is None else type(self.state),
                          counters, source=_SOURCE, rng=True)
         generators = _generators(loaders)
@@ -165,11 +166,22 @@ class ExactResume:
     def _resume_loaders(loaders: list[Any], counters: Mapping[str, int], rng: TorchRngRecord,
                         generators: list[torch.Generator]) -> None:
         """Each loader's epoch counter back, its resumed iterator made (its draws happen
-        now), then the generators and the global RNG as they were at the save."""
+        now), then the generators and the global RNG as they were at the save.
+
+        A save during an epoch's last batch: Accelerate's look-ahead has already marked the
+        position `_iterator_finished`, on which torchdata's next `iter()` starts a new epoch,
+        so the resumed loop would run a whole epoch more. The resumed iterator is made
+        unfinished instead (the loop after the resume gets no batch, as the uninterrupted
+        loop got none after its last) and the epoch counter counts the epoch as done, as
+        `DataLoaderShard` does after the last batch and does not for an empty loop."""
         for i, dl in enumerate(loaders):
-            dl.iteration = counters[f"accelerate_dataloader{i}_iteration"]
+            in_last = counters[f"accelerate_dataloader{i}_in_last_batch"]
+            dl.iteration = counters[f"accelerate_dataloader{i}_iteration"] + in_last
             base = getattr(dl, "base_dataloader", dl)
-            if getattr(base, "next_iter_state", None) is not None:
+            position = getattr(base, "next_iter_state", None)
+            if position is not None:
+                if in_last:
+                    base.next_iter_state = {**position, "_iterator_finished": False}
                 base.state_dict()  # a StatefulDataLoader keeps this iterator for its next iter()
         rng.apply(*generators)
 
@@ -199,6 +211,12 @@ def _check(index: int, loader: Any) -> None:
             "saves that state), or set DataLoaderConfiguration(use_seedable_sampler=True) "
             "(the order is then seeded from the epoch)"
         )
+
+
+def _in_last_batch(loader: Any) -> bool:
+    """Whether `loader` is being iterated and has yielded its epoch's last batch."""
+    return bool(getattr(loader, "end_of_dataloader", False)) and any(
+        ref is loader for ref in loader.gradient_state.dataloader_references)
 
 
 def _generators(loaders: list[Any]) -> list[torch.Generator]:
