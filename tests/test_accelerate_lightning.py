@@ -334,6 +334,18 @@ def test_accelerate_exact_resume_refuses_other_dataloaders_and_an_unresumable_sa
     with pytest.raises(RecordMismatchError, match="holds 1 dataloader generators, the "
                                                   "accelerator's stateful dataloaders have 0"):
         ExactResume(seedable, model).load_state_dict(saved)
+    import dataclasses
+
+    from trainrec.adapters.torch import TorchRngRecord
+    from trainrec.adapters.torch.pending import pack
+
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rng = TorchRngRecord.capture(torch.Generator())
+    other_machine = pack(_mlp(), None, {k: v for k, v in saved.items() if isinstance(v, int)},
+                         rng=dataclasses.replace(rng, cuda=(rng.torch_cpu,) * (here + 1)))
+    with pytest.raises(RecordMismatchError, match=f"RNG states of {here + 1} CUDA devices"):
+        ExactResume(prepared(stateful.StatefulDataLoader(data, shuffle=True)),
+                    model).load_state_dict(other_machine)
     assert all(p.grad is None for p in model.parameters())  # nothing was written
     ExactResume(prepared(stateful.StatefulDataLoader(data, shuffle=True)), model).load_state_dict(saved)
     assert _same_grads(_grads(model), grads)  # the unbroken variant loads

@@ -74,7 +74,7 @@ class ExactResume:
     the loaded one, sets `accelerator.step` and `sync_gradients` as they were, makes each
     stateful dataloader's resumed iterator and puts its generators and the global RNG back.
     A payload that does not fit (another model, a changed file, a state of another type,
-    another number of stateful dataloaders or of their generators) raises
+    another number of stateful dataloaders, of their generators or of CUDA devices) raises
     `RecordMismatchError` naming what is wrong, and changes nothing.
 
     Raises `TypeError` when `accelerator` is not an `accelerate.Accelerator` or `model` not an
@@ -155,6 +155,10 @@ class ExactResume:
                 f"accelerator's stateful dataloaders have {len(generators)}: resume with the "
                 "same dataloaders (generator= given or not, the same sampler)"
             )
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if len(pending.rng.cuda) != cuda:
+            raise RecordMismatchError(f"{_SOURCE} holds the RNG states of {len(pending.rng.cuda)} "
+                                      f"CUDA devices, this machine has {cuda}")
         pending.apply(module)
         if self.state is not None:
             self.state = pending.state
