@@ -4,15 +4,16 @@ micro-step inside an accumulation window, and its resume in a fresh process.
 
     python _tool_runs.py TOOL OUT JOB [JOB ...]     JOB = MODE:KIND:CKPT[:SAVE_AT]
     TOOL: accelerate | lightning; MODE: full | save | resume; KIND: exact (trainrec's
-    ExactResume) | plain (the tool alone; the caller's counters kept by the tool's own means)
-    | replay (lightning: ExactResume with a plain DataLoader) | replay_allowed (the same,
-    with allow_replay=True)
+    ExactResume; accelerate: with options joined by "+", see accelerate_run) | plain (the
+    tool alone; the caller's counters kept by the tool's own means) | replay (lightning:
+    ExactResume with a plain DataLoader) | replay_allowed (the same, with allow_replay=True)
 
 The jobs run one after the other (each seeds everything anew); `OUT` receives
 `torch.save([result, ...])`, a result being `{"params", "losses", "pending_at_save",
 "pending_at_start"}` (those that apply) or `{"error": "Type: message"}`.
 40 samples in batches of 4 (10 micro-batches an epoch), windows of 4, 2 epochs, AdamW,
-cosine LR, dropout, shuffled data from the loader's own generator.
+cosine LR, dropout, shuffled data from the loader's own generator (accelerate: unless the
+option nogen).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ class State:
     losses: list[float]
 
 
-def _data(stateful: bool = True) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+def _data(stateful: bool = True, generator: bool = True) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     x = torch.randn(40, 8)
     loader = StatefulDataLoader if stateful else torch.utils.data.DataLoader
     return loader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4,
-                  shuffle=True, generator=torch.Generator().manual_seed(1))
+                  shuffle=True, generator=torch.Generator().manual_seed(1) if generator else None)
 
 
 def _net() -> nn.Module:
@@ -72,12 +73,24 @@ def accelerate_run(mode: str, kind: str, ckpt: str, save_at: int) -> dict:
         def load_state_dict(self, sd: dict) -> None:
             self.state = State(**sd)
 
+    # options: nogen (no generator=), seedable (use_seedable_sampler), plainloader (prepare a
+    # torch DataLoader, Accelerate makes the StatefulDataLoader), unfixed (the broken variant)
+    kind, *options = kind.split("+")
+    if "unfixed" in options:  # the broken variant: the dataloaders are left as load_state left them
+        fixed = ExactResume.__dict__["_resume_loaders"]
+        ExactResume._resume_loaders = staticmethod(lambda *args: None)  # type: ignore[method-assign]
+        try:
+            return accelerate_run(mode, "+".join([kind] + [o for o in options if o != "unfixed"]),
+                                  ckpt, save_at)
+        finally:
+            ExactResume._resume_loaders = fixed  # type: ignore[method-assign]
     torch.manual_seed(0)
-    model, data = _net(), _data()
+    model, data = _net(), _data("plainloader" not in options, generator="nogen" not in options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=WINDOW,
-                              dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    config = DataLoaderConfiguration(use_stateful_dataloader=True,
+                                     use_seedable_sampler="seedable" in options)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=WINDOW, dataloader_config=config)
     model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
     holder = (ExactResume(accelerator, model, State(0, 0, [])) if kind == "exact"
               else Counters(State(0, 0, [])))

@@ -3,8 +3,11 @@
 For each tool: the uninterrupted run, a run checkpointed after micro-step 13 (3 gradients
 of a window of 4 pending) by the tool's own save, and its resume in a fresh process, with
 trainrec's `ExactResume` (bitwise equal: final parameters and every loss) and without it
-(the tool alone: the resumed run differs, so these runs would catch the loss). The runs are
-in tests/_tool_runs.py; each job list runs in one bounded subprocess.
+(the tool alone: the resumed run differs, so these runs would catch the loss). Accelerate is
+also resumed after micro-step 5 (epoch 0) on into epoch 1, with and without the loader's
+`generator=`, and with Accelerate's seedable sampler, each against the same resume with
+ExactResume's dataloader realignment switched off (it differs). The runs are in
+tests/_tool_runs.py; each job list runs in one bounded subprocess.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ def _results(*started: tuple[subprocess.Popen[str], Path]) -> list[list[dict[str
     return results
 
 
-def _run_tool(tool: str, tmp: Path, resumes: list[list[str]], saves: list[str]) -> Any:
+def _run_tool(tool: str, tmp: Path, resumes: list[list[str]], saves: list[str], *,
+              check_first: bool = True) -> Any:
     (first,) = _results(_start(tool, tmp / "first.pt", f"full:exact:{tmp / 'none'}", *saves))
-    for r in first:
+    for r in first if check_first else ():
         assert "error" not in r, r["error"]
     later = _results(*(_start(tool, tmp / f"resume{i}.pt", *jobs) for i, jobs in enumerate(resumes)))
     return first, later
@@ -58,14 +62,31 @@ def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"])
 
 
+# Accelerate setups whose resume at EARLY crosses into the next epoch: the loader's own
+# generator, none (the global RNG), and a plain DataLoader that Accelerate makes stateful with
+# use_seedable_sampler (saved in epoch 1: its order is seeded from the epoch counter); and a
+# save during the last batch of epoch 0
+EARLY = 5
+ACCEL_SETUPS = {"generator": ("exact", EARLY), "no generator": ("exact+nogen", EARLY),
+                "seedable": ("exact+plainloader+seedable", SAVE_AT), "last batch": ("exact", 10)}
+
+
 @pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("accelerate", reason="the extra trainrec[accelerate] is not installed")
     pytest.importorskip("torchdata", reason="torchdata is not installed (trainrec[accelerate])")
     tmp = tmp_path_factory.mktemp("accelerate")
+    ck = {name: tmp / name.replace(" ", "_") for name in ACCEL_SETUPS}
+    saves = [f"save:exact:{tmp / 'exact'}:{SAVE_AT}", f"save:plain:{tmp / 'plain'}:{SAVE_AT}"]
+    for name, (kind, at) in ACCEL_SETUPS.items():
+        saves += [f"full:{kind}:{tmp / 'none'}", f"save:{kind}:{ck[name]}:{at}"]
+    saves.append(f"full:exact+plainloader:{tmp / 'none'}")  # refused
     return _run_tool("accelerate", tmp,
-                     [[f"resume:exact:{tmp / 'exact'}"], [f"resume:plain:{tmp / 'plain'}"]],
-                     [f"save:exact:{tmp / 'exact'}:{SAVE_AT}", f"save:plain:{tmp / 'plain'}:{SAVE_AT}"])
+                     [[f"resume:exact:{tmp / 'exact'}"]
+                      + [f"resume:{kind}:{ck[name]}" for name, (kind, _) in ACCEL_SETUPS.items()],
+                      [f"resume:plain:{tmp / 'plain'}"]
+                      + [f"resume:{kind}+unfixed:{ck[name]}" for name, (kind, _) in ACCEL_SETUPS.items()]],
+                     saves, check_first=False)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +104,7 @@ def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def test_accelerate_save_state_mid_window_resumes_bitwise_with_exact_resume(accelerate_runs):
-    (full, saved, _), ((resumed,), _) = accelerate_runs
+    (full, saved, *_), ((resumed, *_), _) = accelerate_runs
     assert saved["pending_at_save"] == 4  # every parameter of the MLP has a pending .grad
     assert resumed["pending_at_start"] == 4
     assert len(full["losses"]) == 20
@@ -92,12 +113,46 @@ def test_accelerate_save_state_mid_window_resumes_bitwise_with_exact_resume(acce
 
 
 def test_accelerate_alone_loses_the_pending_gradients(accelerate_runs):
-    (full, _, saved), (_, (resumed,)) = accelerate_runs
+    (full, _, saved, *_), (_, (resumed, *_)) = accelerate_runs
     assert saved["pending_at_save"] == 4
     assert resumed["pending_at_start"] == 0  # load_state brings no .grad back
     assert not _same(full, resumed)
     assert resumed["losses"][:SAVE_AT] == full["losses"][:SAVE_AT]
     assert resumed["losses"][SAVE_AT:] != full["losses"][SAVE_AT:]
+
+
+@pytest.mark.parametrize("setup", list(ACCEL_SETUPS))
+def test_accelerate_resume_is_bitwise_across_the_epoch_boundary(accelerate_runs, setup):
+    # resuming makes the epoch's iterator again, which draws from the loader's generator (or
+    # the global RNG) and resets torchdata's sampler generator to the epoch's start; Accelerate
+    # keeps no epoch counter. ExactResume puts them back; without that ("unfixed") the runs
+    # part where the next epoch's order, the dropout masks or the resumed epoch's order differ
+    first, ((_, *resumed), (_, *unfixed)) = accelerate_runs
+    i = list(ACCEL_SETUPS).index(setup)
+    full, saved = first[3 + 2 * i], first[4 + 2 * i]
+    fixed, broken = resumed[i], unfixed[i]
+    assert "error" not in full and "error" not in saved and "error" not in fixed, (full, saved, fixed)
+    pending = 0 if setup == "last batch" else 4  # Accelerate steps at the end of an epoch
+    assert saved["pending_at_save"] == pending and fixed["pending_at_start"] == pending
+    assert len(full["losses"]) == 20
+    assert fixed["losses"] == full["losses"]
+    assert _same(full, fixed), _max_diff(full, fixed)
+    if setup == "last batch":  # Accelerate marked the epoch finished: torchdata starts one more
+        assert len(broken["losses"]) == 30
+        return
+    diverged = next(k for k, (a, b) in enumerate(zip(full["losses"], broken["losses"])) if a != b)
+    # the generator's draw is one behind: the next epoch (micro-step 11 on) is shuffled anew;
+    # the global RNG is one draw behind: dropout differs from the first resumed micro-step;
+    # the epoch counter restarts at 0: the resumed epoch 1 is ordered as epoch 0 was
+    assert diverged == {"generator": 10, "no generator": EARLY, "seedable": SAVE_AT}[setup]
+    assert not _same(full, broken)
+
+
+def test_accelerate_exact_resume_refuses_a_sampler_it_cannot_resume_exactly(accelerate_runs):
+    (*_, refused), _ = accelerate_runs  # a plain DataLoader(shuffle=True), not seedable
+    assert refused["error"].startswith("ValueError: prepared dataloader 0 shuffles with "
+                                       "torch.utils.data.sampler.RandomSampler")
+    assert "StatefulDataLoader" in refused["error"] and "use_seedable_sampler=True" in refused["error"]
 
 
 @pytest.mark.parametrize("at", [SAVE_AT, 5])
@@ -248,6 +303,63 @@ def test_accelerate_exact_resume_refuses_misuse_and_a_foreign_payload():
     exact.load_state_dict(sd)
     assert _same_grads(_grads(model), grads)
     assert accelerator.step == 5 and accelerator.sync_gradients is False
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
+def test_accelerate_exact_resume_refuses_other_dataloaders_and_an_unresumable_sampler():
+    accelerate = pytest.importorskip("accelerate", reason="trainrec[accelerate] is not installed")
+    stateful = pytest.importorskip("torchdata.stateful_dataloader",
+                                   reason="torchdata is not installed (trainrec[accelerate])")
+    from trainrec import RecordMismatchError
+    from trainrec.adapters.torch.accelerate import ExactResume
+
+    def prepared(loader: Any = None, seedable: bool = False) -> Any:
+        config = accelerate.DataLoaderConfiguration(use_stateful_dataloader=True,
+                                                    use_seedable_sampler=seedable)
+        accelerator = accelerate.Accelerator(cpu=True, dataloader_config=config)
+        if loader is not None:
+            accelerator.prepare(loader)
+        return accelerator
+
+    data = list(range(8))
+    model = _mlp()
+    saved = ExactResume(prepared(stateful.StatefulDataLoader(data, shuffle=True)), model).state_dict()
+    assert saved["accelerate_dataloaders"] == 1
+    grads = _grads(model)
+    model.zero_grad()
+    with pytest.raises(RecordMismatchError, match="RNG states of 1 stateful dataloaders, the "
+                                                  "accelerator prepared 0"):
+        ExactResume(prepared(), model).load_state_dict(saved)
+    seedable = prepared(torch.utils.data.DataLoader(data, shuffle=True), seedable=True)
+    with pytest.raises(RecordMismatchError, match="holds 1 dataloader generators, the "
+                                                  "accelerator's stateful dataloaders have 0"):
+        ExactResume(seedable, model).load_state_dict(saved)
+    import dataclasses
+
+    from trainrec.adapters.torch import TorchRngRecord
+    from trainrec.adapters.torch.pending import pack
+
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    rng = TorchRngRecord.capture(torch.Generator())
+    other_machine = pack(_mlp(), None, {k: v for k, v in saved.items() if isinstance(v, int)},
+                         rng=dataclasses.replace(rng, cuda=(rng.torch_cpu,) * (here + 1)))
+    with pytest.raises(RecordMismatchError, match=f"RNG states of {here + 1} CUDA devices"):
+        ExactResume(prepared(stateful.StatefulDataLoader(data, shuffle=True)),
+                    model).load_state_dict(other_machine)
+    assert all(p.grad is None for p in model.parameters())  # nothing was written
+    ExactResume(prepared(stateful.StatefulDataLoader(data, shuffle=True)), model).load_state_dict(saved)
+    assert _same_grads(_grads(model), grads)  # the unbroken variant loads
+
+    unseeded = torch.utils.data.DataLoader(data, shuffle=True)  # torch's RandomSampler
+    with pytest.raises(ValueError, match="dataloader 0 shuffles with torch.utils.data.sampler."
+                                         "RandomSampler.*use_seedable_sampler=True"):
+        ExactResume(prepared(unseeded), model)
+    late = prepared()
+    exact = ExactResume(late, model)  # prepared after ExactResume: refused when saving
+    late.prepare(torch.utils.data.DataLoader(data, shuffle=True))
+    with pytest.raises(ValueError, match="shuffles with torch.utils.data.sampler.RandomSampler"):
+        exact.state_dict()
+    ExactResume(prepared(torch.utils.data.DataLoader(data)), model)  # in order: nothing to draw
 
 
 def test_lightning_exact_resume_refuses_a_checkpoint_without_it_or_of_another_window():
