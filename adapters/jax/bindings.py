@@ -136,6 +136,25 @@ class JaxBackend:
     def clone(self, tensor: Any) -> jax.Array:
         return tensor  # type: ignore[no-any-return]  # immutable: sharing is safe
 
+    def gradient_problem(self, grad: Any) -> str | None:
+        """What makes `grad` no gradient the accumulator can hold (None: it can): not an
+        array, a tracer (a call inside `jax.jit`/`jax.grad`), or not a recordable float
+        dtype. Called for every gradient of every `accumulate`: the usual case is two
+        lookups."""
+        kind = type(grad)
+        if kind not in _ARRAY_TYPES:
+            if isinstance(grad, jax.core.Tracer):
+                return (f"is a traced value ({kind.__name__}): accumulate and adopt run outside "
+                        "jax.jit; inside a jitted step sum with trainrec.adapters.jax."
+                        "accumulate_tree and adopt the sum outside it")
+            if not isinstance(grad, (jax.Array, np.ndarray)):
+                return f"is a {kind.__name__}, not a JAX array"
+            _ARRAY_TYPES.add(kind)
+        if grad.dtype not in _GRAD_DTYPES:
+            return (f"has dtype {grad.dtype}, not a float dtype a record holds "
+                    "(float64, float32, float16, bfloat16)")
+        return None
+
     def add(self, pending: Any, grad: Any) -> jax.Array:
         return pending + grad  # type: ignore[no-any-return]
 
@@ -168,6 +187,8 @@ class JaxBackend:
 
 
 _BACKEND = JaxBackend()
+_ARRAY_TYPES: set[type] = set()  # concrete array types seen (tracers never enter)
+_GRAD_DTYPES = frozenset(np.dtype(d) for d in ("float64", "float32", "float16", jnp.bfloat16))
 TRACES = [0]  # how many times `_add_many` was traced (compiled): tests count them
 _OWN_DISPATCH = 1 << 18  # elements from which a leaf is added in a dispatch of its own
 

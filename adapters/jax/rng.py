@@ -223,6 +223,10 @@ def _split(generators: tuple[Any, ...]) -> tuple[list[Any], list[Any], list[Any]
     rngs_type = _rngs_type()
     np_gens, keys, rngs = [], [], []
     for i, g in enumerate(generators):
+        if isinstance(g, jax.core.Tracer):
+            raise TypeError(f"argument {i} is a traced value ({type(g).__name__}): JaxRngRecord "
+                            "runs outside jax.jit; return the key from the jitted step and "
+                            "capture or apply it outside")
         if isinstance(g, np.random.Generator):
             np_gens.append(g)
         elif rngs_type is not None and isinstance(g, rngs_type):
