@@ -8,8 +8,19 @@ jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 np = pytest.importorskip("numpy")
 
+optax = pytest.importorskip("optax")
+
+import trainrec  # noqa: E402
 import trainrec.adapters.jax as trj  # noqa: E402
-from trainrec import GradientsAccumulator, GradientsParams  # noqa: E402
+from trainrec import (  # noqa: E402
+    GradientsAccumulator,
+    GradientsParams,
+    NamedMpkBytesRecorder,
+    NativePrecisionSettings,
+    RecordMismatchError,
+    StateRecord,
+    TrainingRecord,
+)
 
 
 def _bad_gradients() -> list[tuple[str, object, str]]:
@@ -71,3 +82,54 @@ def test_rng_capture_inside_jit_is_a_clear_type_error() -> None:
 
     with pytest.raises(TypeError, match="traced value.*outside jax.jit"):
         capture(jax.random.key(0))
+
+
+# optimizer identity: your own functions differ by their literals
+@trainrec.record
+class _Step:
+    micro: int
+
+
+@pytest.mark.parametrize("recorded,live,names", [
+    (lambda: optax.MultiSteps(optax.adam(1e-3), lambda step: 4),
+     lambda: optax.MultiSteps(optax.adam(1e-3), lambda step: 8), r"every_k_schedule\.#consts\.0: 4 in the record, 8 live"),
+    (lambda: optax.adamw(1e-3, mask=lambda p: {"w": True, "b": True}),
+     lambda: optax.adamw(1e-3, mask=lambda p: {"w": True, "b": False}), r"mask\.#consts: 3 entries in the record, 4 live"),
+    (lambda: optax.adam(lambda step: 1e-3 * 0.5 ** (step // 10)),
+     lambda: optax.adam(lambda step: 1e-3 * 0.5 ** (step // 20)), r"#consts.*10 in the record, 20 live"),
+])
+def test_own_functions_with_other_literals_are_other_optimizers(recorded, live, names):
+    p = {"w": jnp.ones((2, 2)), "b": jnp.zeros(2)}
+    tx = recorded()
+    rec = TrainingRecord.capture(trj.JaxModule(p), trj.JaxOptimizer(tx, tx.init(p)), None, GradientsAccumulator(),
+                                 _Step(0))
+    other = live()
+    opt = trj.JaxOptimizer(other, other.init(p))
+    before = opt.opt_state
+    with pytest.raises(RecordMismatchError, match=names):
+        rec.restore(trj.JaxModule(dict(p)), opt, None, "cpu")
+    assert opt.opt_state is before
+    same = recorded()  # the same source rebuilt: accepted, through a file
+    r = NamedMpkBytesRecorder(NativePrecisionSettings())
+    loaded = TrainingRecord.load(r, rec.save(r), "cpu", state_type=_Step)
+    loaded.restore(trj.JaxModule(dict(p)), trj.JaxOptimizer(same, same.init(p)), None, "cpu")
+
+
+def _strip_consts(item):
+    if isinstance(item, dict):
+        return {k: _strip_consts(v) for k, v in item.items() if k != "#consts"}
+    if isinstance(item, list):
+        return [_strip_consts(v) for v in item]
+    return item
+
+
+def test_records_without_function_literals_still_restore():
+    p = {"w": jnp.ones(2)}
+    tx = optax.MultiSteps(optax.adam(1e-3), lambda step: 4)
+    rec = TrainingRecord.capture(trj.JaxModule(p), trj.JaxOptimizer(tx, tx.init(p)), None, GradientsAccumulator(),
+                                 _Step(0))
+    assert "#consts" in str(rec.optimizer.item["#identity"])
+    old = TrainingRecord(rec.model, StateRecord(rec.optimizer.kind, _strip_consts(rec.optimizer.item)), None,
+                         rec.grads, {"micro": 0}, _Step)
+    live = optax.MultiSteps(optax.adam(1e-3), lambda step: 8)  # unknown then: not refused
+    old.restore(trj.JaxModule(dict(p)), trj.JaxOptimizer(live, live.init(p)), None, "cpu")
