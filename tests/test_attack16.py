@@ -133,3 +133,50 @@ def test_records_without_function_literals_still_restore():
                          rec.grads, {"micro": 0}, _Step)
     live = optax.MultiSteps(optax.adam(1e-3), lambda step: 8)  # unknown then: not refused
     old.restore(trj.JaxModule(dict(p)), trj.JaxOptimizer(live, live.init(p)), None, "cpu")
+
+
+_INDIVISIBLE = r'''
+import jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import trainrec, trainrec.adapters.jax as trj
+from trainrec import GradientsAccumulator, RecordMismatchError, TrainingRecord
+
+@trainrec.record
+class Step:
+    micro: int
+
+assert len(jax.devices()) == 8
+p = {"w": jnp.arange(64.0).reshape(8, 8)}
+tx = optax.adam(1e-3)
+rec = TrainingRecord.capture(trj.JaxModule(p), trj.JaxOptimizer(tx, tx.init(p)), None, GradientsAccumulator(),
+                             Step(1))
+mesh5 = Mesh(np.array(jax.devices()[:5]), ("x",))  # 8 rows do not split over 5 devices
+bad = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh5, P("x")))}
+try:
+    trj.restore_tree(rec.model, bad)
+except RecordMismatchError as e:
+    assert "'w'" in str(e) and "cannot hold an array of shape (8, 8)" in str(e), e
+else:
+    raise AssertionError("an indivisible target sharding was accepted")
+module = trj.JaxModule(bad)
+opt = trj.JaxOptimizer(tx, jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32)}))
+try:
+    rec.restore(module, opt, None, None)
+except trainrec.RecorderError as e:
+    assert "cannot hold an array of shape (8, 8)" in str(e), e
+else:
+    raise AssertionError("restore accepted an indivisible sharding")
+assert module.params is bad  # the holders are left as they were
+print("OK")
+'''
+
+
+def test_an_indivisible_target_sharding_is_a_record_mismatch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", _INDIVISIBLE], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=tmp_path)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

@@ -117,7 +117,7 @@ def rebuild(leaves: dict[str, Any], recorded: dict[str, Item], device: Any = Non
         if is_array_like(leaf):
             if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
                 dev = _BACKEND.device(device)
-            out[name] = place(arr, leaf, dev)
+            out[name] = place(arr, leaf, dev, name)
         else:
             out[name] = np.array(arr)
     return out

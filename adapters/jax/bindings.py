@@ -257,7 +257,7 @@ def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], devi
             if is_array_like(leaf):
                 if dev is None and sharding_of(leaf) is None:
                     dev = _BACKEND.device(device)
-                new.append(place(arr, leaf, dev))
+                new.append(place(arr, leaf, dev, name))
             else:
                 new.append(np.array(arr))
         else:

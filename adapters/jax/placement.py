@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import RecorderError
+from trainrec import RecorderError, RecordMismatchError
 
 __all__ = ["is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
            "key_data_like", "key_impl_name", "sharding_of"]
@@ -88,11 +88,19 @@ def host_copy(x: Any) -> np.ndarray[Any, Any]:
     return out
 
 
-def place(value: np.ndarray[Any, Any], like: Any, device: Any) -> jax.Array:
+def place(value: np.ndarray[Any, Any], like: Any, device: Any, name: str = "") -> jax.Array:
     """`value` as a `jax.Array` placed as `like` says (a live array's or an abstract
-    target's sharding), else on `device` (a `jax.Device`, None: the default device)."""
+    target's sharding), else on `device` (a `jax.Device`, None: the default device).
+    A sharding that cannot lay out `value` (a mesh axis that does not divide a dimension,
+    a spec of more dimensions than the array) is a `RecordMismatchError` naming `name`."""
     sharding = sharding_of(like)
-    out: jax.Array = jax.device_put(value, sharding if sharding is not None else device)
+    try:
+        out: jax.Array = jax.device_put(value, sharding if sharding is not None else device)
+    except (ValueError, TypeError) as e:
+        raise RecordMismatchError(
+            f"the target's sharding cannot hold an array of shape {tuple(value.shape)}: {e}; "
+            "give the target (or the abstract leaf's .sharding) a layout that divides the "
+            "array's dimensions", key=name) from e
     return out
 
 
