@@ -180,3 +180,35 @@ def test_an_indivisible_target_sharding_is_a_record_mismatch(tmp_path):
     res = subprocess.run([sys.executable, "-c", _INDIVISIBLE], capture_output=True, text=True, timeout=120,
                          env=env, cwd=tmp_path)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+def test_accumulate_tree_refuses_what_accumulate_refuses():
+    pending = {"w": jnp.ones((2, 2))}
+    for grads in ({"w": jnp.ones(2)}, {"w": jnp.float32(1.0)}):  # would broadcast silently
+        with pytest.raises(ValueError, match=r"'w' has shape .*pending \(2, 2\)"):
+            trj.accumulate_tree(pending, grads)
+        with pytest.raises(ValueError, match=r"'w' has shape"):
+            jax.jit(trj.accumulate_tree)(pending, grads)
+    with pytest.raises(TypeError, match="'w' has dtype int32"):
+        trj.accumulate_tree(None, {"w": jnp.ones(2, jnp.int32)})
+    with pytest.raises(TypeError, match="float dtype"):
+        trj.accumulate_tree(None, pending, jnp.int32)
+    from trainrec import FloatDType
+
+    # the accumulator's own dtype type is taken, as accumulate_with_dtype takes it
+    out = trj.accumulate_tree(None, pending, FloatDType.BF16)
+    assert out["w"].dtype == jnp.bfloat16
+    acc = GradientsAccumulator()
+    module = trj.JaxModule(pending)
+    acc.accumulate_with_dtype(module, GradientsParams({"w": jnp.full((2, 2), 0.3)}), FloatDType.BF16)
+    tree = trj.accumulate_tree(out, {"w": jnp.full((2, 2), 0.3)}, FloatDType.BF16)
+    acc.accumulate_with_dtype(module, GradientsParams({"w": jnp.full((2, 2), 0.3)}), FloatDType.BF16)
+    ref = trj.accumulate_tree(None, {"w": jnp.full((2, 2), 0.3)}, FloatDType.BF16)
+    ref = trj.accumulate_tree(ref, {"w": jnp.full((2, 2), 0.3)}, FloatDType.BF16)
+    assert tree["w"].dtype == acc.grads()["w"].dtype == ref["w"].dtype == jnp.bfloat16
+
+
+def test_to_tree_refuses_a_gradient_of_another_shape():
+    module = trj.JaxModule({"w": jnp.ones((2, 2)), "b": jnp.ones(2)})
+    with pytest.raises(ValueError, match=r"'w' has shape \(3,\), parameter \(2, 2\)"):
+        trj.to_tree(GradientsParams({"w": jnp.ones(3)}), module)
