@@ -212,3 +212,22 @@ def test_to_tree_refuses_a_gradient_of_another_shape():
     module = trj.JaxModule({"w": jnp.ones((2, 2)), "b": jnp.ones(2)})
     with pytest.raises(ValueError, match=r"'w' has shape \(3,\), parameter \(2, 2\)"):
         trj.to_tree(GradientsParams({"w": jnp.ones(3)}), module)
+
+
+def test_a_donated_array_is_a_clear_error_naming_the_leaf():
+    from flax import nnx
+
+    donated = jnp.ones(3)
+    donated.delete()  # what jax.jit(..., donate_argnums=0) does to the array it was given
+    opt = trj.JaxOptimizer(optax.sgd(0.1), optax.sgd(0.1).init({}))
+    with pytest.raises(ValueError, match=r"leaf 'w'.*deleted \(donated"):
+        TrainingRecord.capture(trj.JaxModule({"w": donated}), opt, None, GradientsAccumulator(), _Step(0))
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    model.bias.get_value().delete()
+    with pytest.raises(ValueError, match=r"leaf 'bias'.*deleted"):
+        TrainingRecord.capture(model, opt, None, GradientsAccumulator(), _Step(0))
+    acc = GradientsAccumulator()
+    module = trj.JaxModule({"w": jnp.ones(3)})
+    with pytest.raises(TypeError, match=r"gradient of 'w' was deleted"):
+        acc.accumulate(module, GradientsParams({"w": donated}))
+    assert acc.pending_ids() == []

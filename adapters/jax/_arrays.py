@@ -24,7 +24,15 @@ from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
 from .bindings import _BACKEND, _expected
-from .placement import abstract_error, host_copy, is_abstract, is_array_like, place, sharding_of
+from .placement import (
+    DeletedArrayError,
+    abstract_error,
+    host_copy,
+    is_abstract,
+    is_array_like,
+    place,
+    sharding_of,
+)
 from .rng import is_typed_key, key_from_item, key_item, key_problems
 
 LEGACY_RNG_IMPL_KEY = "#rng_impl"  # the earlier form: {ParamId: implementation name}
@@ -44,6 +52,8 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
                 TensorData.from_array(host_copy(leaf), copy=False)
         except RecorderError:
             raise  # an array spanning other processes: host_copy says what to use
+        except DeletedArrayError as e:
+            raise ValueError(f"leaf {name!r}: {e}") from e
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
             raise TypeError(f"leaf {name!r} ({type(leaf).__name__}) cannot be recorded: {e}; {hint}") from e
     return StateRecord(kind, item)

@@ -34,6 +34,7 @@ from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_misma
 from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
 from .neutral import TRANSFORMS_KEY
 from .placement import (
+    DeletedArrayError,
     abstract_error,
     host_copy,
     is_abstract,
@@ -157,6 +158,9 @@ class JaxBackend:
             if not isinstance(grad, (jax.Array, np.ndarray)):
                 return f"is a {kind.__name__}, not a JAX array"
             _ARRAY_TYPES.add(kind)
+        if kind is not np.ndarray and isinstance(grad, jax.Array) and grad.is_deleted():
+            return ("was deleted (donated to a jitted step through donate_argnums, or .delete()): "
+                    "accumulate the gradients the step returned")
         if grad.dtype not in _GRAD_DTYPES:
             return (f"has dtype {grad.dtype}, not a float dtype a record holds "
                     "(float64, float32, float16, bfloat16)")
@@ -400,6 +404,8 @@ class JaxModule:
                 raise abstract_error(k)
             try:
                 item[k] = _host(v, k)
+            except DeletedArrayError as e:
+                raise ValueError(f"leaf {k!r}: {e}") from e
             except TypeError as e:
                 code = "a function in a pytree is code, not state: " if callable(v) else ""
                 raise TypeError(

@@ -23,8 +23,12 @@ import numpy as np
 
 from trainrec import RecorderError, RecordMismatchError
 
-__all__ = ["is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
+__all__ = ["DeletedArrayError", "is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
            "key_data_like", "key_impl_name", "sharding_of"]
+
+
+class DeletedArrayError(ValueError):
+    """A `jax.Array` whose buffers are gone (donated or deleted): no values to record."""
 
 
 def is_abstract(leaf: Any) -> bool:
@@ -55,6 +59,10 @@ def start_host_copy(x: jax.Array) -> list[Any]:
     """Start the transfer to the host of each distinct shard of `x` (not its replicas);
     returns those shards. Raises `RecorderError` for an array that spans devices of
     other processes."""
+    if x.is_deleted():
+        raise DeletedArrayError(
+            f"a jax.Array of shape {tuple(x.shape)} was deleted (donated to a jitted step through "
+            "donate_argnums, or .delete()): capture the arrays the step returned")
     if not x.is_fully_addressable:
         raise RecorderError(
             f"a jax.Array of shape {tuple(x.shape)} spans devices of other JAX processes "
