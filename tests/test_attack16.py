@@ -231,3 +231,17 @@ def test_a_donated_array_is_a_clear_error_naming_the_leaf():
     with pytest.raises(TypeError, match=r"gradient of 'w' was deleted"):
         acc.accumulate(module, GradientsParams({"w": donated}))
     assert acc.pending_ids() == []
+
+
+def test_capture_names_a_missing_optimizer_or_accumulator():
+    module = trj.JaxModule({"w": jnp.ones(2)})
+    opt = trj.JaxOptimizer(optax.sgd(0.1), optax.sgd(0.1).init({"w": jnp.ones(2)}))
+    with pytest.raises(TypeError, match="the optimizer is None"):
+        TrainingRecord.capture(module, None, None, GradientsAccumulator(), _Step(0))
+    with pytest.raises(TypeError, match="the model is None"):
+        TrainingRecord.capture(None, opt, None, GradientsAccumulator(), _Step(0))
+    with pytest.raises(TypeError, match="accumulator must be a GradientsAccumulator"):
+        TrainingRecord.capture(module, opt, None, None, _Step(0))
+    rec = TrainingRecord.capture(module, opt, None, GradientsAccumulator(), _Step(0))
+    with pytest.raises(TypeError, match="the optimizer is None"):
+        rec.restore(module, None, None, "cpu")
