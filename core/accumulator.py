@@ -85,10 +85,15 @@ class GradientsAccumulator(Generic[M]):
         incoming: list[Any] = []
         got_shapes: list[tuple[int, ...]] = []
         held_by_id, held_shapes, shape_of = self._pending, self._shapes, backend.shape_of
+        problem_of = getattr(backend, "gradient_problem", None)
         for pid, grad in grads.items():
             shape = shapes.get(pid)
             if shape is None:
                 continue
+            if problem_of is not None:
+                problem = problem_of(grad)
+                if problem is not None:
+                    raise TypeError(f"gradient of {pid!r} {problem}; nothing was accumulated")
             held = held_by_id.get(pid)
             got = shape_of(grad)
             if (got != shape and got != tuple(shape)) or (
@@ -158,6 +163,7 @@ class GradientsAccumulator(Generic[M]):
                 f"cannot adopt gradients for {_some(unknown)}: not parameters of the module "
                 f"(module parameters {_some(shapes)})"
             )
+        problem_of = getattr(backend, "gradient_problem", None)
         for pid, grad in grads.items():
             if not backend.is_tensor(grad):
                 raise TypeError(f"gradient of {pid!r} is a {type(grad).__name__}, not a "
@@ -169,6 +175,9 @@ class GradientsAccumulator(Generic[M]):
             if not backend.dtype_of(grad).is_float:
                 raise ValueError(f"gradient of {pid!r} has non-float dtype "
                                  f"{backend.dtype_of(grad).value}; nothing was adopted")
+            problem = None if problem_of is None else problem_of(grad)
+            if problem is not None:  # e.g. a traced value (a call inside jax.jit)
+                raise TypeError(f"gradient of {pid!r} {problem}; nothing was adopted")
         self._pending = {pid: backend.clone(grad) for pid, grad in grads.items()}
         self._shapes = {pid: backend.shape_of(grad) for pid, grad in grads.items()}
         self._backend = backend

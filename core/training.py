@@ -78,6 +78,7 @@ class TrainingRecord(Generic[U]):
     ) -> TrainingRecord[U]:
         """Capture the components without consuming the model or clearing gradients."""
         m, o, s = _bind(model, optimizer, scheduler)
+        _check_accumulator(accumulator)
         grads = accumulator.try_to_record()
         return cls._assemble(m, o, s, grads, state)
 
@@ -88,6 +89,7 @@ class TrainingRecord(Generic[U]):
     ) -> TrainingRecord[U]:
         """Capture with asynchronous gradient readback; no recorder I/O is performed."""
         m, o, s = _bind(model, optimizer, scheduler)
+        _check_accumulator(accumulator)
         grads = await accumulator.to_record_async()
         return cls._assemble(m, o, s, grads, state)
 
@@ -305,7 +307,17 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
         ) from e
 
 
+def _check_accumulator(accumulator: Any) -> None:
+    if not isinstance(accumulator, GradientsAccumulator):
+        raise TypeError(f"accumulator must be a GradientsAccumulator (an empty one when no gradient is "
+                        f"pending), got {type(accumulator).__name__}")
+
+
 def _bind(model: Any, optimizer: Any, scheduler: Any) -> tuple[AutodiffModule, Any, Any]:
+    for what, obj in (("model", model), ("optimizer", optimizer)):
+        if obj is None:
+            raise TypeError(f"the {what} is None: a TrainingRecord holds a model and an optimizer "
+                            "(only the scheduler may be None)")
     return (
         adapt_module(model),
         adapt_optimizer(optimizer),

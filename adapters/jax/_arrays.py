@@ -25,6 +25,7 @@ from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
 from .bindings import _BACKEND, _expected
 from .placement import (
+    DeletedArrayError,
     abstract_error,
     capture_tensor,
     is_abstract,
@@ -51,6 +52,8 @@ def capture(kind: str, leaves: dict[str, Any], hint: str) -> StateRecord:
                 capture_tensor(leaf)  # a ShardedTensor for one spanning processes
         except RecorderError:
             raise
+        except DeletedArrayError as e:
+            raise ValueError(f"leaf {name!r}: {e}") from e
         except Exception as e:  # TypeError, jax's TracerArrayConversionError
             raise TypeError(f"leaf {name!r} ({type(leaf).__name__}) cannot be recorded: {e}; {hint}") from e
     return StateRecord(kind, item)
@@ -123,7 +126,7 @@ def rebuild(leaves: dict[str, Any], recorded: dict[str, Item], device: Any = Non
         if is_array_like(leaf):
             if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
                 dev = _BACKEND.device(device)
-            out[name] = place_tensor(value, leaf, dev, leaf.dtype)
+            out[name] = place_tensor(value, leaf, dev, leaf.dtype, name)
         else:
             out[name] = np.array(np.asarray(value.array).astype(leaf.dtype))
     return out

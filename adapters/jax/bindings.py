@@ -21,12 +21,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import DType, GradientsParams, RecordMismatchError, StateRecord, TensorData
+from trainrec import (
+    DType,
+    FloatDType,
+    GradientsParams,
+    RecordMismatchError,
+    StateRecord,
+    TensorData,
+)
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
 
 from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
 from .neutral import TRANSFORMS_KEY
 from .placement import (
+    DeletedArrayError,
     abstract_error,
     capture_tensor,
     host_copy,
@@ -151,6 +159,28 @@ class JaxBackend:
     def clone(self, tensor: Any) -> jax.Array:
         return tensor  # type: ignore[no-any-return]  # immutable: sharing is safe
 
+    def gradient_problem(self, grad: Any) -> str | None:
+        """What makes `grad` no gradient the accumulator can hold (None: it can): not an
+        array, a tracer (a call inside `jax.jit`/`jax.grad`), or not a recordable float
+        dtype. Called for every gradient of every `accumulate`: the usual case is two
+        lookups."""
+        kind = type(grad)
+        if kind not in _ARRAY_TYPES:
+            if isinstance(grad, jax.core.Tracer):
+                return (f"is a traced value ({kind.__name__}): accumulate and adopt run outside "
+                        "jax.jit; inside a jitted step sum with trainrec.adapters.jax."
+                        "accumulate_tree and adopt the sum outside it")
+            if not isinstance(grad, (jax.Array, np.ndarray)):
+                return f"is a {kind.__name__}, not a JAX array"
+            _ARRAY_TYPES.add(kind)
+        if kind is not np.ndarray and isinstance(grad, jax.Array) and grad.is_deleted():
+            return ("was deleted (donated to a jitted step through donate_argnums, or .delete()): "
+                    "accumulate the gradients the step returned")
+        if grad.dtype not in _GRAD_DTYPES:
+            return (f"has dtype {grad.dtype}, not a float dtype a record holds "
+                    "(float64, float32, float16, bfloat16)")
+        return None
+
     def add(self, pending: Any, grad: Any) -> jax.Array:
         return pending + grad  # type: ignore[no-any-return]
 
@@ -183,6 +213,8 @@ class JaxBackend:
 
 
 _BACKEND = JaxBackend()
+_ARRAY_TYPES: set[type] = set()  # concrete array types seen (tracers never enter)
+_GRAD_DTYPES = frozenset(np.dtype(d) for d in ("float64", "float32", "float16", jnp.bfloat16))
 TRACES = [0]  # how many times `_add_many` was traced (compiled): tests count them
 _OWN_DISPATCH = 1 << 18  # elements from which a leaf is added in a dispatch of its own
 
@@ -207,10 +239,40 @@ def accumulate_tree(pending: Any, grads: Any, dtype: Any = None) -> Any:
     `accumulate_with_dtype`); `pending=None` starts a window (the gradients, cast to
     `dtype` when given). Bitwise what the accumulator computes. Before a checkpoint hand
     the sum to the accumulator: `acc.adopt(module, grads_from(pending, module))`."""
-    name = None if dtype is None else jnp.dtype(getattr(dtype, "numpy", dtype)).name
+    name = None if dtype is None else _float_dtype_name(dtype)
     if pending is None:
-        return jax.tree.map(lambda g: _sum(None, g, name), grads)
-    return jax.tree.map(lambda p, g: _sum(p, g, name), pending, grads)
+        return jax.tree_util.tree_map_with_path(lambda k, g: _sum(None, _checked(k, g), name), grads)
+    return jax.tree_util.tree_map_with_path(lambda k, p, g: _sum(_checked(k, p, g), _checked(k, g), name),
+                                            pending, grads)
+
+
+def _float_dtype_name(dtype: Any) -> str:
+    """The numpy name of `dtype` (a `FloatDType`, `DType`, numpy / JAX dtype or name),
+    which must be a float dtype a record holds."""
+    dtype = getattr(dtype, "dtype", dtype) if isinstance(dtype, FloatDType) else dtype
+    try:
+        np_dtype = np.dtype(getattr(dtype, "numpy", dtype))
+    except TypeError as e:
+        raise TypeError(f"dtype must be a float dtype (FloatDType, jnp.float32, 'bfloat16'), got {dtype!r}") from e
+    if np_dtype not in _GRAD_DTYPES:
+        raise TypeError(f"dtype must be a float dtype a record holds (float64, float32, float16, "
+                        f"bfloat16), got {np_dtype}")
+    return str(np_dtype.name)
+
+
+def _checked(path: Any, leaf: Any, grad: Any = None) -> Any:
+    """`leaf` (a gradient, or the pending sum beside `grad`) when it is a float array of
+    the same shape as `grad`: shapes are static, so under `jit` this costs nothing."""
+    where = key_path(path)
+    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+        raise TypeError(f"gradient {where!r} is a {type(leaf).__name__}, not an array")
+    if np.dtype(leaf.dtype) not in _GRAD_DTYPES:
+        raise TypeError(f"gradient {where!r} has dtype {leaf.dtype}, not a float dtype a record holds "
+                        "(float64, float32, float16, bfloat16)")
+    if grad is not None and tuple(leaf.shape) != tuple(getattr(grad, "shape", ())):
+        raise ValueError(f"gradient {where!r} has shape {tuple(getattr(grad, 'shape', ()))}, pending "
+                         f"{tuple(leaf.shape)}: the sum would broadcast (the gradient is of another model)")
+    return leaf
 
 
 def _host(leaf: Any, name: str = "") -> Item:
@@ -252,7 +314,7 @@ def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], devi
             if is_array_like(leaf):
                 if dev is None and sharding_of(leaf) is None:
                     dev = _BACKEND.device(device)
-                new.append(place_tensor(value, leaf, dev, _dtype(leaf)))
+                new.append(place_tensor(value, leaf, dev, _dtype(leaf), name))
             else:
                 new.append(np.asarray(value.array).astype(_dtype(leaf)))
         else:
@@ -358,6 +420,8 @@ class JaxModule:
                 raise abstract_error(k)
             try:
                 item[k] = _host(v, k)
+            except DeletedArrayError as e:
+                raise ValueError(f"leaf {k!r}: {e}") from e
             except TypeError as e:
                 code = "a function in a pytree is code, not state: " if callable(v) else ""
                 raise TypeError(
@@ -604,6 +668,9 @@ def to_tree(grads: GradientsParams, module: Any, *, allow_empty: bool = False) -
     out = []
     for pid, v in zip(ids, leaves.values()):
         g = grads.get(pid)
+        if g is not None and tuple(getattr(g, "shape", ())) != tuple(v.shape):
+            raise ValueError(f"gradient of {pid!r} has shape {tuple(getattr(g, 'shape', ()))}, parameter "
+                             f"{tuple(v.shape)} (gradients of another model?)")
         out.append(jnp.zeros_like(v) if g is None else g)
     return jax.tree_util.tree_unflatten(treedef, out)
 

@@ -32,6 +32,8 @@ STATE_TYPES_KEY = "#state_types"  # the optax state types, per chain position
 
 _DEPTH = 8  # closures within closures: schedules of joined schedules, and so on
 _ENTRIES = 256  # a container longer than this is recorded by its type and length
+_LIBRARIES = ("optax", "jax", "flax", "equinox", "numpy")  # their functions: by name and captures only
+CONSTS_KEY = "#consts"  # a function of yours: the literals of its code (absent in older records)
 _VALUES = 64  # arrays up to this many elements are recorded by value, larger by digest
 
 
@@ -117,10 +119,42 @@ def _value(v: Any, depth: int, seen: frozenset[int]) -> Item:
             out["self"] = _object(v.__self__, depth - 1, seen)
         for k, x in sorted(_cells(v).items()):
             out[k] = _value(x, depth - 1, seen)
+        code = getattr(v, "__code__", None)
+        if isinstance(code, types.CodeType) and not _of_library(v):
+            # your own function (a schedule, a MultiSteps k, a mask): its literals decide
+            # what it returns (`lambda step: 4` is not `lambda step: 8`)
+            out[CONSTS_KEY] = _consts(code, getattr(v, "__doc__", None))
         if not hasattr(v, "__code__") and not hasattr(v, "__self__"):  # a callable object
             out.update(_object(v, depth - 1, seen))
         return out
     return _object(v, depth - 1, seen)
+
+
+def _of_library(fn: Any) -> bool:
+    module = str(getattr(fn, "__module__", None) or "")
+    return module.split(".")[0] in _LIBRARIES
+
+
+def _consts(code: types.CodeType, doc: Any = None) -> list[Item]:
+    """The literals of a function's code and of the functions defined in it, in order
+    (numbers, strings, bytes; the docstring and None left out, which Python versions
+    place differently)."""
+    out: list[Item] = []
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out.extend(_consts(c))
+        elif isinstance(c, tuple):
+            out.extend(_number(x) if isinstance(x, float) else x for x in c
+                       if isinstance(x, (bool, int, float, str)))
+        elif isinstance(c, (bool, int, str)) and not (isinstance(c, str) and c == doc):
+            out.append(c)
+        elif isinstance(c, float):
+            out.append(_number(c))
+        elif isinstance(c, bytes):
+            out.append(c.hex())
+        if len(out) > _ENTRIES:
+            return out[:_ENTRIES]
+    return out
 
 
 def _object(v: Any, depth: int, seen: frozenset[int]) -> dict[str, Item]:
@@ -222,6 +256,8 @@ def _diff(a: Item, b: Item, path: str, out: list[str], limit: int) -> None:
         for k in sorted(set(a) | set(b)):
             if k not in b:
                 out.append(f"{where}.{k}: {_show(a[k])} in the record, absent live")
+            elif k not in a and k == CONSTS_KEY:
+                continue  # a record written before functions' literals were recorded
             elif k not in a:
                 out.append(f"{where}.{k}: absent in the record, {_show(b[k])} live")
             else:

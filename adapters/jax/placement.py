@@ -25,12 +25,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import DType, RecorderError, ShardedTensor, TensorData
+from trainrec import DType, RecorderError, RecordMismatchError, ShardedTensor, TensorData
 from trainrec.adapter_kit import ShardIndex
 
-__all__ = ["is_abstract", "is_array_like", "host_copy", "start_host_copy", "place", "abstract_error",
-           "key_data_like", "key_impl_name", "sharding_of", "capture_tensor", "place_tensor",
-           "global_array", "shard_index", "shards_of"]
+__all__ = ["DeletedArrayError", "is_abstract", "is_array_like", "host_copy", "start_host_copy", "place",
+           "abstract_error", "key_data_like", "key_impl_name", "sharding_of", "capture_tensor",
+           "place_tensor", "global_array", "shard_index", "shards_of"]
+
+
+class DeletedArrayError(ValueError):
+    """A `jax.Array` whose buffers are gone (donated or deleted): no values to record."""
 
 
 def is_abstract(leaf: Any) -> bool:
@@ -61,6 +65,10 @@ def start_host_copy(x: jax.Array) -> list[Any]:
     """Start the transfer to the host of each distinct shard of `x` (not its replicas);
     returns those shards. Raises `RecorderError` for an array that spans devices of
     other processes."""
+    if x.is_deleted():
+        raise DeletedArrayError(
+            f"a jax.Array of shape {tuple(x.shape)} was deleted (donated to a jitted step through "
+            "donate_argnums, or .delete()): capture the arrays the step returned")
     if not x.is_fully_addressable:
         raise RecorderError(
             f"a jax.Array of shape {tuple(x.shape)} spans devices of other JAX processes "
@@ -143,16 +151,16 @@ def global_array(t: ShardedTensor, dtype: Any = None) -> jax.Array:
     return out
 
 
-def place_tensor(t: TensorData, like: Any, device: Any, dtype: Any) -> jax.Array:
+def place_tensor(t: TensorData, like: Any, device: Any, dtype: Any, name: str = "") -> jax.Array:
     """`t`'s values as a `jax.Array` of `dtype` placed as `place` places them; a
     `ShardedTensor` is built from its shards on its own sharding, then moved to `like`'s
     sharding where that differs (a collective over the processes)."""
     if not isinstance(t, ShardedTensor):
-        return place(np.asarray(t.array).astype(dtype), like, device)
+        return place(np.asarray(t.array).astype(dtype), like, device, name)
     whole = next(iter(t.shards.values())) if len(t.shards) == 1 else None
     if whole is not None and whole.shape == t.shape and (
             isinstance(like, jax.Array) and not like.committed):
-        return place(np.asarray(whole.array).astype(dtype), like, device)  # a replicated value
+        return place(np.asarray(whole.array).astype(dtype), like, device, name)  # a replicated value
     out = global_array(t, dtype)
     target = sharding_of(like)
     if target is None and device is None:
@@ -160,19 +168,31 @@ def place_tensor(t: TensorData, like: Any, device: Any, dtype: Any) -> jax.Array
     target = target if target is not None else device
     if isinstance(target, jax.sharding.Sharding) and target.is_equivalent_to(t.layout, len(t.shape)):
         return out
-    moved: jax.Array = jax.device_put(out, target)
+    try:
+        moved: jax.Array = jax.device_put(out, target)
+    except (ValueError, TypeError) as e:
+        raise RecordMismatchError(
+            f"the target's sharding cannot hold an array of shape {tuple(t.shape)}: {e}", key=name) from e
     return moved
 
 
-def place(value: np.ndarray[Any, Any], like: Any, device: Any) -> jax.Array:
+def place(value: np.ndarray[Any, Any], like: Any, device: Any, name: str = "") -> jax.Array:
     """`value` as a `jax.Array` placed as `like` says (a live array's or an abstract
     target's sharding; uncommitted, as a live array that is not committed to a device),
-    else on `device` (a `jax.Device`, None: the default device)."""
+    else on `device` (a `jax.Device`, None: the default device). A sharding that cannot
+    lay out `value` (a mesh axis that does not divide a dimension, a spec of more
+    dimensions than the array) is a `RecordMismatchError` naming `name`."""
     if isinstance(like, jax.Array) and not like.committed:
         loose: jax.Array = jax.device_put(value)  # not committed: jit may move it
         return loose
     sharding = sharding_of(like)
-    out: jax.Array = jax.device_put(value, sharding if sharding is not None else device)
+    try:
+        out: jax.Array = jax.device_put(value, sharding if sharding is not None else device)
+    except (ValueError, TypeError) as e:
+        raise RecordMismatchError(
+            f"the target's sharding cannot hold an array of shape {tuple(value.shape)}: {e}; "
+            "give the target (or the abstract leaf's .sharding) a layout that divides the "
+            "array's dimensions", key=name) from e
     return out
 
 

@@ -100,7 +100,7 @@ def key_from_item(item: Item, like: Any = None, where: str = "key") -> jax.Array
         if problems:
             raise RecordMismatchError("; ".join(problems), key=where)
     arr = np.array(data.read(), copy=True)
-    raw = place(arr, like, None)  # a key's sharding places its key data (one more, unsharded axis)
+    raw = place(arr, like, None, where)  # a key's sharding places its key data (one more, unsharded axis)
     if impl is None:
         return raw
     try:
@@ -152,7 +152,7 @@ def _rngs_new_state(item: Item, rngs: Any, where: str) -> Any:
     if problems:
         raise RecordMismatchError("; ".join(problems), key=where)
     new = [key_from_item(item[n], live, f"{where}.{n}") if is_typed_key(live)
-           else place(np.array(item[n].read(), copy=True), live, None)  # type: ignore[union-attr]
+           else place(np.array(item[n].read(), copy=True), live, None, f"{where}.{n}")  # type: ignore[union-attr]
            for n, live in leaves.items()]
     return jax.tree_util.tree_unflatten(treedef, new)
 
@@ -223,6 +223,10 @@ def _split(generators: tuple[Any, ...]) -> tuple[list[Any], list[Any], list[Any]
     rngs_type = _rngs_type()
     np_gens, keys, rngs = [], [], []
     for i, g in enumerate(generators):
+        if isinstance(g, jax.core.Tracer):
+            raise TypeError(f"argument {i} is a traced value ({type(g).__name__}): JaxRngRecord "
+                            "runs outside jax.jit; return the key from the jitted step and "
+                            "capture or apply it outside")
         if isinstance(g, np.random.Generator):
             np_gens.append(g)
         elif rngs_type is not None and isinstance(g, rngs_type):
