@@ -338,3 +338,82 @@ def test_a_failed_dcp_write_commits_nothing_and_leaves_no_temp_directory(tmp_pat
         out = trt.DCPRecorder().save(tmp_path / "step-1", model, opt, async_save=async_save)
         out.result()
     assert os.listdir(tmp_path) == []
+
+
+def _two_groups():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[0].bias]},
+                             {"params": [model[2].weight, model[2].bias], "lr": 1e-4}], lr=1e-2)
+    return model, opt
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            repr(opt.state_dict()))
+
+
+def _unchanged(before, model, opt):
+    params, grads, optim = before
+    return (all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            and all((g is None) == (p.grad is None) and (g is None or torch.equal(g, p.grad))
+                    for g, p in zip(grads, model.parameters()))
+            and optim == repr(opt.state_dict()))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process checkpoint mid window (pending .grad, optimizer state, two param groups)
+    and another save's, for swapping parts in."""
+    torch.manual_seed(0)
+    model, opt = _two_groups()
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    model(torch.randn(3, 4)).sum().backward()
+    path = trt.DCPRecorder().save(tmp_path / "step-3", model, opt)
+    other = trt.DCPRecorder().save(tmp_path / "step-4", model, opt)
+    return path, other
+
+
+@pytest.mark.parametrize("damage", [
+    lambda p, o: _edit_manifest(p, grads=[]),  # the pending gradients would be dropped
+    lambda p, o: _edit_manifest(p, grads=["0.weight"]),
+    lambda p, o: _edit_manifest(p, optimizer_state=False),  # the optimizer state would be cleared
+    lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp")),
+])
+def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, damage):
+    """The manifest's facts are repeated inside DCP's files: an edited manifest, or the dcp/
+    directory of another save, is refused (both loaded silently before)."""
+    path, other = one_rank
+    damage(path, other)
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match="manifest was edited, or the dcp/ directory"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+
+
+def test_other_param_groups_or_another_model_s_optimizer_are_refused(one_rank, tmp_path):
+    """One param group where the run had two took group 0's lr for every parameter, without
+    a word; an optimizer of another model was a KeyError 0 from get_state_dict."""
+    from torch import nn
+
+    path, _ = one_rank
+    model, _ = _two_groups()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    before = _snapshot(model, opt)
+    with pytest.raises(RecordMismatchError, match="param groups differ"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt) and opt.param_groups[0]["lr"] == 5e-2
+    stranger = torch.optim.AdamW(nn.Linear(4, 8).parameters())
+    with pytest.raises(TypeError, match="not in the model: build the optimizer from"):
+        trt.DCPRecorder().load(path, model, stranger)
+    with pytest.raises(TypeError, match="not in the model: build the optimizer from"):
+        trt.DCPRecorder().save(tmp_path / "x", model, stranger)
+    assert not (tmp_path / "x").exists()

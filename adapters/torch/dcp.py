@@ -78,6 +78,7 @@ VERSION = (1, 0)
 MANIFEST = "manifest.json"
 DCP_DIR = "dcp"
 _PART = "trainrec.dcp.part"
+_META = "trainrec"  # the DCP entry that repeats the manifest's facts
 _NATIVE = NativePrecisionSettings()
 
 U = TypeVar("U")
@@ -168,7 +169,12 @@ class DCPRecorder:
             }
             NamedMpkFileRecorder(_NATIVE).save_item(
                 part, commit.temp / _part_name(rank, world), _PART)
-            tree = {"model": msd, "optim": osd, "grads": grads}
+            # what the manifest says, inside DCP's own files too: a load checks the two
+            # agree (a manifest edited, or the dcp/ directory of another save swapped in)
+            meta = json.dumps({"save_id": commit.token, "grads": sorted(grads),
+                               "optimizer_state": had_state, "param_groups": _groups(osd)},
+                              sort_keys=True)
+            tree = {"model": msd, "optim": osd, "grads": grads, _META: meta}
             if async_save:
                 # staged here: DCP's stager refuses FSDP2's parameter storages ("invalid
                 # python storage", torch 2.13), and a copy is what staging makes anyway
@@ -275,12 +281,21 @@ class DCPRecorder:
                                          source=str(path)) from e
         msd, osd = _state_dicts(model, optimizer, params)
         target = {"model": _empty(msd), "optim": _empty(osd),
-                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
+                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]},
+                  _META: ""}
         try:
             dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
                                 f"optimizer and pending gradients: {e}", source=str(path)) from e
+        _check_meta(target[_META], manifest, path)
+        saved_groups = json.loads(target[_META])["param_groups"]
+        if saved_groups != _groups(osd):
+            raise RecordMismatchError(
+                f"the optimizer's param groups differ: the checkpoint's hold {saved_groups}, "
+                f"the live optimizer's {_groups(osd)}; build the optimizer with the same param "
+                "groups as the run that saved it", key="optimizer.param_groups",
+                source=str(path))
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optim"])
         if not manifest["optimizer_state"]:
@@ -338,11 +353,38 @@ def refuse_unsynced_gradients(model: nn.Module) -> None:
                     key=f"model.{name}")
 
 
+def _groups(osd: Any) -> list[list[str]]:
+    """The parameter names of each param group of `get_state_dict`'s optimizer state dict."""
+    return [sorted(str(n) for n in g.get("params", ())) for g in osd.get("param_groups", ())]
+
+
+def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:
+    """Raise `CorruptRecordError` unless the facts saved inside the DCP checkpoint are the
+    manifest's (the same save, the same pending gradients, optimizer state or none)."""
+    try:
+        doc = json.loads(meta)
+        saved = {k: doc[k] for k in ("save_id", "grads", "optimizer_state", "param_groups")}
+    except (TypeError, ValueError, KeyError):
+        raise CorruptRecordError(f"the DCP checkpoint's {_META!r} entry is malformed",
+                                 source=str(path / manifest["dcp"]), key=_META) from None
+    for key in ("save_id", "grads", "optimizer_state"):
+        if saved[key] != manifest[key]:
+            raise CorruptRecordError(
+                f"the DCP checkpoint says {key} {saved[key]!r}, {MANIFEST} says "
+                f"{manifest[key]!r}: the manifest was edited, or the {manifest['dcp']}/ "
+                "directory is another save's", source=str(path), key=key)
+
+
 def _check_objects(model: Any, optimizer: Any, scheduler: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    ours = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        if any(id(p) not in ours for p in group["params"]):
+            raise TypeError(f"param group {i} of the optimizer holds a parameter that is not "
+                            "in the model: build the optimizer from model.parameters()")
     if scheduler is not None and not hasattr(scheduler, "state_dict"):
         raise TypeError(f"scheduler must be a torch LR scheduler or None, got {type(scheduler).__name__}")
 
