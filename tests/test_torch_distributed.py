@@ -295,6 +295,14 @@ def _edit_manifest(path: Path, **changes):
     (lambda p: (p / "rank-00000-of-00001.mpk").unlink(), CorruptRecordError, "part the manifest lists is missing"),
     (lambda p: (p / "replicated.mpk").write_bytes((p / "replicated.mpk").read_bytes()[:-9]),
      CorruptRecordError, r"truncated.*replicated\.mpk"),
+    # these three were 'malformed parts', 'a TrainingRecord item is a list of 5' (no file
+    # named) and 'not a trainrec.distributed manifest' (not saying what the directory is)
+    (lambda p: _edit_manifest(p, world_size=2), CorruptRecordError,
+     r"malformed parts: it lists 1 part\(s\), world_size says 2"),
+    (lambda p: _edit_manifest(p, replicated=None), CorruptRecordError,
+     "names no replicated part, but this rank's part is one of a TrainingRecord split"),
+    (lambda p: _edit_manifest(p, format="trainrec.dcp"), CorruptRecordError,
+     r"a DCPRecorder checkpoint .*load it with trainrec.adapters.torch.DCPRecorder\(\).load"),
 ])
 def test_a_damaged_checkpoint_is_refused_clearly(saved, damage, error, match):
     damage(saved)

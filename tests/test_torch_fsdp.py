@@ -399,6 +399,15 @@ def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, 
     assert _unchanged(before, model, opt)
 
 
+def test_a_ddp_checkpoint_given_to_dcp_recorder_says_which_recorder_reads_it(one_rank):
+    path, _ = one_rank
+    _edit_manifest(path, format="trainrec.distributed")
+    model, opt = _two_groups()
+    with pytest.raises(CorruptRecordError, match=r"a DistributedRecorder checkpoint .*"
+                       r"TrainingRecord.load\(trainrec.adapters.torch.DistributedRecorder\(\)"):
+        trt.DCPRecorder().load(path, model, opt)
+
+
 def test_other_param_groups_or_another_model_s_optimizer_are_refused(one_rank, tmp_path):
     """One param group where the run had two took group 0's lr for every parameter, without
     a word; an optimizer of another model was a KeyError 0 from get_state_dict."""

@@ -68,7 +68,7 @@ from trainrec import (
 from trainrec.adapter_kit import path_arg
 
 from .bindings import TorchLrScheduler
-from .distributed import _Commit, _rank_world, _safe_name
+from .distributed import _Commit, _parts_count, _rank_world, _safe_name
 from .wrappers import is_dtensor, named_parameters
 
 __all__ = ["DCPRecorder", "DCPRestored"]
@@ -435,6 +435,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                                  "DCPRecorder committed", source=str(path)) from None
     except (OSError, ValueError) as e:
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if isinstance(doc, dict) and doc.get("format") == "trainrec.distributed":
+        raise CorruptRecordError(
+            "this is a DistributedRecorder checkpoint (DDP: whole tensors per rank), not a "
+            "DCPRecorder one: load it with TrainingRecord.load(trainrec.adapters.torch."
+            "DistributedRecorder(), path, device, state_type=...)", source=str(path))
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
     version = doc.get("version")
@@ -456,7 +461,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     }
     for key, ok in checks.items():
         if not ok:
-            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+            raise CorruptRecordError(f"malformed {key}" + (_parts_count(world, parts) if key == "parts" else ""),
+                                     source=str(file), key=key)
     if not (path / doc["dcp"] / ".metadata").is_file():
         raise CorruptRecordError("the DCP checkpoint's .metadata is missing",
                                  source=str(path / doc["dcp"]))

@@ -216,6 +216,11 @@ class DistributedRecorder(RecorderBase):
         _expect_part(local, {"rank": rank, "world_size": world, "save_id": manifest["save_id"]},
                      path / manifest["parts"][rank])
         if manifest["replicated"] is None:
+            if "item" not in local:
+                raise CorruptRecordError(
+                    f"{MANIFEST} names no replicated part, but this rank's part is one of a "
+                    "TrainingRecord split into replicated and per-rank parts (the manifest was "
+                    "edited)", source=str(path / MANIFEST), key="replicated")
             item = local.get("item")
         else:
             rep_path = path / manifest["replicated"]
@@ -557,6 +562,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                                  "DistributedRecorder committed", source=str(path)) from None
     except (OSError, ValueError) as e:
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if isinstance(doc, dict) and doc.get("format") == "trainrec.dcp":
+        raise CorruptRecordError(
+            "this is a DCPRecorder checkpoint (sharded, torch.distributed.checkpoint), not a "
+            "DistributedRecorder one: load it with trainrec.adapters.torch.DCPRecorder().load("
+            "path, model, optimizer, scheduler)", source=str(path))
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
     version = doc.get("version")
@@ -578,8 +588,16 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     }
     for key, ok in checks.items():
         if not ok:
-            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+            raise CorruptRecordError(f"malformed {key}" + (_parts_count(world, parts) if key == "parts" else ""),
+                                     source=str(file), key=key)
     return doc
+
+
+def _parts_count(world: Any, parts: Any) -> str:
+    """What is wrong when `parts` does not list one name per rank (else nothing)."""
+    if type(world) is int and isinstance(parts, list) and len(parts) != world:
+        return f": it lists {len(parts)} part(s), world_size says {world} (the manifest was edited)"
+    return ""
 
 
 def _safe_name(name: str) -> bool:
