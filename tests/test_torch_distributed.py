@@ -330,3 +330,22 @@ def test_an_override_that_does_not_fit_the_replicated_tree_is_refused(saved, ove
     rec.save_item(item, part, header.record_type)
     with pytest.raises(CorruptRecordError, match=match):
         TrainingRecord.load(trt.DistributedRecorder(), saved)
+
+
+def test_trainrec_inspect_and_verify_read_a_ddp_checkpoint_directory(saved):
+    """`trainrec inspect` / `verify` said 'a directory, not a record file (no format of
+    directories claims it)'; now the directory is the trainrec.distributed format, every
+    rank's part checked, rank 0's view shown, and a damaged part is refused."""
+    import subprocess
+    import sys
+
+    header, item = trainrec.read_file(saved)
+    assert (header.format, header.record_type) == ("trainrec.distributed", "TrainingRecord")
+    assert isinstance(item, list) and len(item) == 5
+    cli = [sys.executable, "-m", "trainrec"]
+    out = subprocess.run([*cli, "verify", str(saved)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "every rank's part" in out.stdout, out.stdout + out.stderr
+    part = saved / "rank-00000-of-00001.mpk"
+    part.write_bytes(part.read_bytes()[:-9])
+    with pytest.raises(CorruptRecordError, match=r"rank-00000-of-00001\.mpk"):
+        trainrec.read_file(saved)

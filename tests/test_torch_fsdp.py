@@ -181,7 +181,7 @@ def _plain():
 
 @pytest.mark.parametrize(("damage", "error", "match"), [
     (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
-    (lambda p: _edit_manifest(p, format="trainrec.distributed"), CorruptRecordError, "not a trainrec.dcp"),
+    (lambda p: _edit_manifest(p, format="trainrec.other"), CorruptRecordError, "not a trainrec.dcp"),
     (lambda p: _edit_manifest(p, version=[2, 0]), trainrec.UnsupportedVersionError, "version 2.0"),
     (lambda p: _edit_manifest(p, world_size=0), CorruptRecordError, "malformed world_size"),
     (lambda p: _edit_manifest(p, dcp="../x"), CorruptRecordError, "malformed dcp"),
@@ -426,3 +426,17 @@ def test_other_param_groups_or_another_model_s_optimizer_are_refused(one_rank, t
     with pytest.raises(TypeError, match="not in the model: build the optimizer from"):
         trt.DCPRecorder().save(tmp_path / "x", model, stranger)
     assert not (tmp_path / "x").exists()
+
+
+def test_trainrec_verify_reads_a_dcp_checkpoint_and_refuses_a_truncated_shard(one_rank):
+    """The directory was 'not a record file'; now the trainrec.dcp format shows DCP's entries
+    and the parts, and a shard file shorter than DCP's .metadata says is refused."""
+    path, _ = one_rank
+    header, item = trainrec.read_file(path)
+    assert (header.format, header.record_type) == ("trainrec.dcp", "TrainingRecord")
+    assert item["dcp"]["model.0.weight"] == "float32[8, 4]"
+    assert item["manifest"]["grads"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    shard = path / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CorruptRecordError, match=r"__0_0\.distcp holds \d+ bytes, DCP's \.metadata points to"):
+        trainrec.read_file(path)

@@ -40,6 +40,7 @@ refused, saying how to accumulate instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -65,13 +68,13 @@ from trainrec import (
     StateRecord,
     UnsupportedVersionError,
 )
-from trainrec.adapter_kit import path_arg
+from trainrec.adapter_kit import Header, Item, path_arg
 
 from .bindings import TorchLrScheduler
 from .distributed import _Commit, _parts_count, _rank_world, _safe_name
 from .wrappers import is_dtensor, named_parameters
 
-__all__ = ["DCPRecorder", "DCPRestored"]
+__all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
 
 FORMAT = "trainrec.dcp"
 VERSION = (1, 0)
@@ -417,6 +420,56 @@ def _empty(tree: Any) -> Any:
     if isinstance(tree, list):
         return [_empty(v) for v in tree]
     return tree
+
+
+def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
+    """The `trainrec.dcp` format's reader (`trainrec inspect` / `verify`, and
+    `trainrec.read_file`), in one process without a process group: the manifest, every
+    rank's part (scheduler and caller state; their checksums checked), and what DCP's
+    `.metadata` says of each entry (dtype and shape, not the values: loading them needs
+    `DCPRecorder().load`), after checking that every shard file it names exists and holds
+    the bytes it points to (a truncated or missing shard file is refused; DCP keeps no
+    checksums, so a changed byte is not found)."""
+    del mmap
+    path = Path(path)
+    manifest = _read_manifest(path)
+    parts = [_read_part(path, manifest, r) for r in range(manifest["world_size"])]
+    header = dataclasses.replace(trainrec.read_file(path / manifest["parts"][0])[0],
+                                 format=FORMAT, version=VERSION, record_type="TrainingRecord")
+    folder = path / manifest["dcp"]
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - DCP's unpickling raises anything
+        raise CorruptRecordError(f"DCP's .metadata is unreadable: {type(e).__name__}: {e}",
+                                 source=str(folder)) from e
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        if not _safe_name(name):
+            raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
+                                     "the checkpoint", source=str(folder))
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        size = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if size is None or size < end:
+            raise CorruptRecordError(
+                f"shard file {name} " + ("is missing" if size is None else
+                                         f"holds {size} bytes, DCP's .metadata points to {end}"),
+                source=str(folder / name))
+    entries: dict[str, Item] = {}
+    for key, meta in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = str(meta.properties.dtype).removeprefix("torch.")
+            entries[key] = f"{dtype}{list(meta.size)}"
+        else:
+            entries[key] = "bytes"
+    fields = ("world_size", "save_id", "grads", "optimizer_state", "scheduler", "state")
+    item: dict[str, Item] = {
+        "manifest": {k: manifest.get(k) for k in fields},
+        "dcp": entries,
+        "parts": [{"scheduler": p.get("scheduler"), "state": p.get("state")} for p in parts],
+    }
+    return header, item
 
 
 def _part_name(rank: int, world: int) -> str:

@@ -230,6 +230,16 @@ class DistributedRecorder(RecorderBase):
         return dataclasses.replace(header, record_type=manifest["record"]), item
 
 
+def read_distributed(path: Path, mmap: bool = False) -> tuple[Header, Item]:
+    """The `trainrec.distributed` format's reader (`trainrec inspect` / `verify`, and
+    `trainrec.read_file`): reads and checks every rank's view (each part's checksums, its
+    rank and save id) and returns rank 0's."""
+    recorder = DistributedRecorder()
+    world = _read_manifest(Path(path))["world_size"]
+    views = [recorder.read(path, mmap=mmap, rank=r) for r in range(world)]
+    return dataclasses.replace(views[0][0], format=FORMAT, version=VERSION), views[0][1]
+
+
 # -- what is replicated and what is a rank's own ---------------------------------------------
 
 
