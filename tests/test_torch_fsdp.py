@@ -301,7 +301,7 @@ def test_a_damaged_shard_file_is_refused_and_the_live_objects_stay(saved):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     model, opt = _plain()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(trainrec.RecorderError, match="torch.distributed.checkpoint could not load"):
+    with pytest.raises(CorruptRecordError, match=r"__1_0\.distcp holds \d+ bytes, DCP's \.metadata points"):
         trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in model.parameters())
@@ -440,3 +440,18 @@ def test_trainrec_verify_reads_a_dcp_checkpoint_and_refuses_a_truncated_shard(on
     shard.write_bytes(shard.read_bytes()[:-1])
     with pytest.raises(CorruptRecordError, match=r"__0_0\.distcp holds \d+ bytes, DCP's \.metadata points to"):
         trainrec.read_file(path)
+
+
+def test_a_model_of_other_shapes_is_refused_naming_the_parameter(one_rank):
+    """It was DCP's CheckpointException, a traceback per rank naming no parameter."""
+    from torch import nn
+
+    path, _ = one_rank
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[0].bias]},
+                             {"params": [model[2].weight, model[2].bias]}])
+    before = _snapshot(model, opt)
+    with pytest.raises(RecordMismatchError, match=r"model\.2\.weight is float32\[2, 8\] in the "
+                       r"checkpoint, float32\[3, 8\] in the live model"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)

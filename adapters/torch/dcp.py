@@ -286,6 +286,7 @@ class DCPRecorder:
         target = {"model": _empty(msd), "optim": _empty(osd),
                   "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]},
                   _META: ""}
+        _check_shapes(_checked_metadata(path / manifest["dcp"]), target, path)
         try:
             dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
@@ -436,7 +437,26 @@ def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
     parts = [_read_part(path, manifest, r) for r in range(manifest["world_size"])]
     header = dataclasses.replace(trainrec.read_file(path / manifest["parts"][0])[0],
                                  format=FORMAT, version=VERSION, record_type="TrainingRecord")
-    folder = path / manifest["dcp"]
+    metadata = _checked_metadata(path / manifest["dcp"])
+    entries: dict[str, Item] = {}
+    for key, meta in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = str(meta.properties.dtype).removeprefix("torch.")
+            entries[key] = f"{dtype}{list(meta.size)}"
+        else:
+            entries[key] = "bytes"
+    fields = ("world_size", "save_id", "grads", "optimizer_state", "scheduler", "state")
+    item: dict[str, Item] = {
+        "manifest": {k: manifest.get(k) for k in fields},
+        "dcp": entries,
+        "parts": [{"scheduler": p.get("scheduler"), "state": p.get("state")} for p in parts],
+    }
+    return header, item
+
+
+def _checked_metadata(folder: Path) -> Any:
+    """DCP's `.metadata` of `folder`, after checking that every shard file it names exists
+    and holds the bytes it points to (`CorruptRecordError`)."""
     try:
         metadata = FileSystemReader(str(folder)).read_metadata()
     except Exception as e:  # noqa: BLE001 - DCP's unpickling raises anything
@@ -456,20 +476,28 @@ def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
                 f"shard file {name} " + ("is missing" if size is None else
                                          f"holds {size} bytes, DCP's .metadata points to {end}"),
                 source=str(folder / name))
-    entries: dict[str, Item] = {}
-    for key, meta in sorted(metadata.state_dict_metadata.items()):
-        if isinstance(meta, TensorStorageMetadata):
-            dtype = str(meta.properties.dtype).removeprefix("torch.")
-            entries[key] = f"{dtype}{list(meta.size)}"
-        else:
-            entries[key] = "bytes"
-    fields = ("world_size", "save_id", "grads", "optimizer_state", "scheduler", "state")
-    item: dict[str, Item] = {
-        "manifest": {k: manifest.get(k) for k in fields},
-        "dcp": entries,
-        "parts": [{"scheduler": p.get("scheduler"), "state": p.get("state")} for p in parts],
-    }
-    return header, item
+    return metadata
+
+
+def _check_shapes(metadata: Any, target: dict[str, Any], path: Path) -> None:
+    """`RecordMismatchError` naming the first model parameter or pending gradient whose
+    saved shape or dtype is not the live one's (DCP's own error is a traceback per rank)."""
+    saved = metadata.state_dict_metadata
+    for group in ("model", "grads"):
+        for name, t in target[group].items():
+            meta = saved.get(f"{group}.{name}")
+            if not isinstance(t, torch.Tensor) or meta is None:
+                continue  # DCP names a missing key itself
+            if not isinstance(meta, TensorStorageMetadata):
+                raise RecordMismatchError(f"{group}.{name} is not a tensor in the checkpoint",
+                                          key=f"{group}.{name}", source=str(path))
+            if tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
+                raise RecordMismatchError(
+                    f"{group}.{name} is {str(meta.properties.dtype).removeprefix('torch.')}"
+                    f"{list(meta.size)} in the checkpoint, "
+                    f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} in the live model: "
+                    "build the model the run that saved it had", key=f"{group}.{name}",
+                    source=str(path))
 
 
 def _part_name(rank: int, world: int) -> str:
