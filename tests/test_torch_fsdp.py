@@ -179,6 +179,10 @@ def _plain():
     return model, torch.optim.AdamW(model.parameters())
 
 
+def _sched(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+
+
 @pytest.mark.parametrize(("damage", "error", "match"), [
     (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
     (lambda p: _edit_manifest(p, format="trainrec.other"), CorruptRecordError, "not a trainrec.dcp"),
@@ -196,7 +200,7 @@ def test_a_damaged_checkpoint_is_refused_before_anything_changes(saved, damage, 
     model, opt = _plain()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(error, match=match):
-        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+        trt.DCPRecorder().load(saved, model, opt, _sched(opt), rank_state="drop")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
@@ -279,13 +283,13 @@ def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_pa
     torch.manual_seed(2)
     model3 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
-    trt.DCPRecorder().load(early, model3, opt3)
+    trt.DCPRecorder().load(early, model3, opt3, torch.optim.lr_scheduler.StepLR(opt3, 1, gamma=0.5))
     assert not opt3.state and all(p.grad is None for p in model3.parameters())
     # mid first window, before the first step: the pending gradients, no optimizer state,
     # and the step taken from there is the one the run took
     model4 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
     opt4 = torch.optim.AdamW(model4.parameters(), lr=1e-2)
-    trt.DCPRecorder().load(first, model4, opt4)
+    trt.DCPRecorder().load(first, model4, opt4, torch.optim.lr_scheduler.StepLR(opt4, 1, gamma=0.5))
     assert not opt4.state
     assert all(torch.equal(g, p.grad) for g, p in zip(pending, model4.parameters()))
     opt4.step()
@@ -302,7 +306,7 @@ def test_a_damaged_shard_file_is_refused_and_the_live_objects_stay(saved):
     model, opt = _plain()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CorruptRecordError, match=r"__1_0\.distcp holds \d+ bytes, DCP's \.metadata points"):
-        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+        trt.DCPRecorder().load(saved, model, opt, _sched(opt), rank_state="drop")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
@@ -455,3 +459,15 @@ def test_a_model_of_other_shapes_is_refused_naming_the_parameter(one_rank):
                        r"checkpoint, float32\[3, 8\] in the live model"):
         trt.DCPRecorder().load(path, model, opt)
     assert _unchanged(before, model, opt)
+
+
+def test_a_saved_scheduler_with_none_given_is_refused(tmp_path):
+    """The scheduler's state was dropped without a word (single-process restore refuses it)."""
+    model, opt = _two_groups()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    path = trt.DCPRecorder().save(tmp_path / "step", model, opt, sched)
+    model2, opt2 = _two_groups()
+    before = _snapshot(model2, opt2)
+    with pytest.raises(RecordMismatchError, match="holds scheduler state but scheduler=None"):
+        trt.DCPRecorder().load(path, model2, opt2)
+    assert _unchanged(before, model2, opt2)

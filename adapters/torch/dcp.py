@@ -265,6 +265,10 @@ class DCPRecorder:
             raise RecordMismatchError("pending gradient for a parameter the model lacks",
                                       key=f"grads.{missing[0]}", source=str(path))
         sched_record = None
+        if scheduler is None and part.get("scheduler") is not None:
+            raise RecordMismatchError("the checkpoint holds scheduler state but scheduler=None "
+                                      "was given: pass the run's LR scheduler", key="scheduler",
+                                      source=str(path))
         if scheduler is not None:
             if part.get("scheduler") is None:
                 raise RecordMismatchError("the checkpoint holds no scheduler state, a scheduler "
