@@ -471,3 +471,18 @@ def test_a_saved_scheduler_with_none_given_is_refused(tmp_path):
     with pytest.raises(RecordMismatchError, match="holds scheduler state but scheduler=None"):
         trt.DCPRecorder().load(path, model2, opt2)
     assert _unchanged(before, model2, opt2)
+
+
+def test_plain_pending_gradients_at_more_than_one_rank_are_refused(tmp_path, monkeypatch):
+    """A DDP model's pending .grad (each rank's own inside no_sync) is a plain tensor, which
+    DCP wrote once for all ranks: 2 DDP ranks each got another's gradients back, silently
+    (checked by hand with 2 gloo ranks). Refused before the ranks meet, so 2 ranks are faked."""
+    import trainrec.adapters.torch.dcp as dcp_mod
+
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    monkeypatch.setattr(dcp_mod, "_rank_world", lambda group: (0, 2))
+    with pytest.raises(trainrec.RecorderError, match="plain tensor, not a sharded DTensor.*"
+                       "DistributedRecorder"):
+        trt.DCPRecorder().save(tmp_path / "step", model, opt)
+    assert not (tmp_path / "step").exists() and os.listdir(tmp_path) == []

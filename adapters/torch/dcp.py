@@ -151,6 +151,8 @@ class DCPRecorder:
                 "DCPRecorder a process group of its own, DCPRecorder(group=dist.new_group("
                 "backend='gloo')), so they never interleave with training's")
         refuse_unsynced_gradients(model)
+        if world > 1:
+            _refuse_plain_gradients(model)
         if self._pending is not None:
             wait([self._pending])  # its outcome is its own future's
         commit = _Commit(path, rank, world, self.group)
@@ -381,6 +383,23 @@ def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:
                 f"the DCP checkpoint says {key} {saved[key]!r}, {MANIFEST} says "
                 f"{manifest[key]!r}: the manifest was edited, or the {manifest['dcp']}/ "
                 "directory is another save's", source=str(path), key=key)
+
+
+def _refuse_plain_gradients(model: nn.Module) -> None:
+    """Raise `RecorderError` when, at world size > 1, a pending `.grad` is a plain tensor
+    (DistributedDataParallel, or a model that is not sharded): DCP takes a plain tensor for
+    the same on every rank and writes it once, but inside a `no_sync()` window each rank's
+    partial sum is its own, so every rank would get one rank's back."""
+    for name, p in named_parameters(model):
+        if p.grad is not None and not is_dtensor(p.grad):
+            raise RecorderError(
+                f"the pending gradient of {name!r} is a plain tensor, not a sharded DTensor: "
+                "DCP saves a plain tensor once, as if it were the same on every rank, but "
+                "each rank's gradients inside an accumulation window (DDP's no_sync) are its "
+                "own. Save a DistributedDataParallel run with trainrec.adapters.torch."
+                "DistributedRecorder (each rank's pending gradients kept), or with "
+                "DCPRecorder after the optimizer step (no pending .grad)",
+                key=f"grads.{name}")
 
 
 def _check_objects(model: Any, optimizer: Any, scheduler: Any) -> None:
