@@ -341,6 +341,30 @@ def _read_orbax(path: Path, mmap: bool) -> tuple[Header, Item]:
     return read_orbax(path, mmap)
 
 
+def _sniff_manifest(name: str) -> Callable[[bytes], bool]:
+    """A distributed checkpoint's `manifest.json` (keys sorted) names its format at once."""
+    want = f'"format": "{name}"'.encode()
+    return lambda head: head.lstrip().startswith(b"{") and want in head
+
+
+def _read_distributed(path: Path, mmap: bool) -> tuple[Header, Item]:
+    try:
+        from trainrec.adapters.torch.distributed import read_distributed
+    except ImportError as e:
+        raise RecorderError(f"reading a trainrec.distributed checkpoint needs torch ({e}): "
+                            "pip install 'trainrec[torch]'", source=str(path)) from e
+    return read_distributed(path, mmap)
+
+
+def _read_dcp(path: Path, mmap: bool) -> tuple[Header, Item]:
+    try:
+        from trainrec.adapters.torch.dcp import read_dcp
+    except ImportError as e:
+        raise RecorderError(f"reading a trainrec.dcp checkpoint needs torch ({e}): "
+                            "pip install 'trainrec[torch]'", source=str(path)) from e
+    return read_dcp(path, mmap)
+
+
 _BUILTIN: tuple[Format, ...] = (
     Format("trainrec.namedmpk", (".mpk",), _sniff_namedmpk, _read_namedmpk,
            "trainrec.recorders:NamedMpkFileRecorder",
@@ -365,6 +389,21 @@ _BUILTIN: tuple[Format, ...] = (
            "the JSON item's checksum (header, structure, scalars, tensor table), Orbax's "
            "array metadata against the table, and every tensor checksum",
            marker="trainrec/metadata"),
+    Format("trainrec.distributed", (), _sniff_manifest("trainrec.distributed"), _read_distributed,
+           "trainrec.adapters.torch.distributed:DistributedRecorder",
+           "a DDP checkpoint directory: trainrec.adapters.torch.DistributedRecorder reads it "
+           "(shown: rank 0's view)",
+           "the manifest, and every rank's part: its checksums, rank and save id",
+           marker="manifest.json"),
+    Format("trainrec.dcp", (), _sniff_manifest("trainrec.dcp"), _read_dcp,
+           "trainrec.adapters.torch.dcp:DCPRecorder",
+           "a sharded (FSDP2) checkpoint directory of torch.distributed.checkpoint: "
+           "trainrec.adapters.torch.DCPRecorder loads it (shown: its entries' dtypes and "
+           "shapes, every rank's scheduler and caller state)",
+           "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata and "
+           "that every shard file holds the bytes it points to; DCP keeps no checksums, so "
+           "the shards' values are not verified",
+           marker="manifest.json"),
 )
 
 

@@ -21,6 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import trainrec  # noqa: E402
+
 RUNS = Path(__file__).resolve().parent / "_tool_runs.py"
 TIMEOUT_S = 120
 SAVE_AT = 13  # 40 samples / batch 4 = 10 micro-batches an epoch: micro-step 13 is 3 into a window
@@ -303,6 +305,63 @@ def test_accelerate_exact_resume_refuses_misuse_and_a_foreign_payload():
     exact.load_state_dict(sd)
     assert _same_grads(_grads(model), grads)
     assert accelerator.step == 5 and accelerator.sync_gradients is False
+
+
+@trainrec.record
+class _Micro:
+    micro: int
+
+
+@trainrec.record
+class _Other:
+    micro: int
+
+
+def test_accelerate_load_state_refuses_a_payload_before_accelerate_loads_anything(tmp_path):
+    """Another gradient_accumulation_steps mid-window was accepted (pending gradients of
+    loss/4 stepped as a window of 2); and a refused payload was refused only after
+    Accelerate had loaded model, optimizer and RNG: now a pre-hook checks it first."""
+    accelerate = pytest.importorskip("accelerate", reason="trainrec[accelerate] is not installed")
+    from trainrec import RecordMismatchError
+    from trainrec.adapters.torch.accelerate import ExactResume
+
+    def build(steps: int, state: Any) -> Any:
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=steps)
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        exact = ExactResume(accelerator, model, state)
+        accelerator.register_for_checkpointing(exact)
+        return accelerator, model, opt
+
+    def micro(accelerator: Any, model: Any, opt: Any, n: int) -> None:
+        for _ in range(n):
+            with accelerator.accumulate(model):
+                accelerator.backward(model(torch.randn(5, 3)).sum())
+                opt.step()
+                opt.zero_grad()
+
+    accelerator, model, opt = build(4, _Micro(6))
+    micro(accelerator, model, opt, 6)  # 2 micro-steps into the second window of 4
+    mid = tmp_path / "mid"
+    accelerator.save_state(str(mid))
+    micro(accelerator, model, opt, 2)
+    end = tmp_path / "end"
+    accelerator.save_state(str(end))
+    for steps, state, message in [(2, _Micro(0), "gradient_accumulation_steps=4, this accelerator has 2"),
+                                  (4, _Other(0), "holds a _Micro, not a _Other")]:
+        accelerator, model, opt = build(steps, state)
+        micro(accelerator, model, opt, 5)
+        before = ([p.detach().clone() for p in model.parameters()], _grads(model),
+                  repr(opt.state_dict()), torch.get_rng_state(), accelerator.step)
+        with pytest.raises(RecordMismatchError, match=message):
+            accelerator.load_state(str(mid))
+        assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+        assert _same_grads(before[1], _grads(model)) and before[2] == repr(opt.state_dict())
+        assert torch.equal(before[3], torch.get_rng_state()) and before[4] == accelerator.step
+    accelerator, model, opt = build(2, _Micro(0))
+    accelerator.load_state(str(end))  # at a window's end another window size is fine
+    assert accelerator.step == 8 and all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13

@@ -295,6 +295,14 @@ def _edit_manifest(path: Path, **changes):
     (lambda p: (p / "rank-00000-of-00001.mpk").unlink(), CorruptRecordError, "part the manifest lists is missing"),
     (lambda p: (p / "replicated.mpk").write_bytes((p / "replicated.mpk").read_bytes()[:-9]),
      CorruptRecordError, r"truncated.*replicated\.mpk"),
+    # these three were 'malformed parts', 'a TrainingRecord item is a list of 5' (no file
+    # named) and 'not a trainrec.distributed manifest' (not saying what the directory is)
+    (lambda p: _edit_manifest(p, world_size=2), CorruptRecordError,
+     r"malformed parts: it lists 1 part\(s\), world_size says 2"),
+    (lambda p: _edit_manifest(p, replicated=None), CorruptRecordError,
+     "names no replicated part, but this rank's part is one of a TrainingRecord split"),
+    (lambda p: _edit_manifest(p, format="trainrec.dcp"), CorruptRecordError,
+     r"a DCPRecorder checkpoint .*load it with trainrec.adapters.torch.DCPRecorder\(\).load"),
 ])
 def test_a_damaged_checkpoint_is_refused_clearly(saved, damage, error, match):
     damage(saved)
@@ -322,3 +330,22 @@ def test_an_override_that_does_not_fit_the_replicated_tree_is_refused(saved, ove
     rec.save_item(item, part, header.record_type)
     with pytest.raises(CorruptRecordError, match=match):
         TrainingRecord.load(trt.DistributedRecorder(), saved)
+
+
+def test_trainrec_inspect_and_verify_read_a_ddp_checkpoint_directory(saved):
+    """`trainrec inspect` / `verify` said 'a directory, not a record file (no format of
+    directories claims it)'; now the directory is the trainrec.distributed format, every
+    rank's part checked, rank 0's view shown, and a damaged part is refused."""
+    import subprocess
+    import sys
+
+    header, item = trainrec.read_file(saved)
+    assert (header.format, header.record_type) == ("trainrec.distributed", "TrainingRecord")
+    assert isinstance(item, list) and len(item) == 5
+    cli = [sys.executable, "-m", "trainrec"]
+    out = subprocess.run([*cli, "verify", str(saved)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "every rank's part" in out.stdout, out.stdout + out.stderr
+    part = saved / "rank-00000-of-00001.mpk"
+    part.write_bytes(part.read_bytes()[:-9])
+    with pytest.raises(CorruptRecordError, match=r"rank-00000-of-00001\.mpk"):
+        trainrec.read_file(saved)

@@ -179,9 +179,13 @@ def _plain():
     return model, torch.optim.AdamW(model.parameters())
 
 
+def _sched(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+
+
 @pytest.mark.parametrize(("damage", "error", "match"), [
     (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
-    (lambda p: _edit_manifest(p, format="trainrec.distributed"), CorruptRecordError, "not a trainrec.dcp"),
+    (lambda p: _edit_manifest(p, format="trainrec.other"), CorruptRecordError, "not a trainrec.dcp"),
     (lambda p: _edit_manifest(p, version=[2, 0]), trainrec.UnsupportedVersionError, "version 2.0"),
     (lambda p: _edit_manifest(p, world_size=0), CorruptRecordError, "malformed world_size"),
     (lambda p: _edit_manifest(p, dcp="../x"), CorruptRecordError, "malformed dcp"),
@@ -196,7 +200,7 @@ def test_a_damaged_checkpoint_is_refused_before_anything_changes(saved, damage, 
     model, opt = _plain()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(error, match=match):
-        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+        trt.DCPRecorder().load(saved, model, opt, _sched(opt), rank_state="drop")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
@@ -279,13 +283,13 @@ def test_one_process_without_a_group_saves_and_loads_back_every_component(tmp_pa
     torch.manual_seed(2)
     model3 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
     opt3 = torch.optim.AdamW(model3.parameters(), lr=1e-2)
-    trt.DCPRecorder().load(early, model3, opt3)
+    trt.DCPRecorder().load(early, model3, opt3, torch.optim.lr_scheduler.StepLR(opt3, 1, gamma=0.5))
     assert not opt3.state and all(p.grad is None for p in model3.parameters())
     # mid first window, before the first step: the pending gradients, no optimizer state,
     # and the step taken from there is the one the run took
     model4 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.bfloat16)
     opt4 = torch.optim.AdamW(model4.parameters(), lr=1e-2)
-    trt.DCPRecorder().load(first, model4, opt4)
+    trt.DCPRecorder().load(first, model4, opt4, torch.optim.lr_scheduler.StepLR(opt4, 1, gamma=0.5))
     assert not opt4.state
     assert all(torch.equal(g, p.grad) for g, p in zip(pending, model4.parameters()))
     opt4.step()
@@ -301,8 +305,8 @@ def test_a_damaged_shard_file_is_refused_and_the_live_objects_stay(saved):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     model, opt = _plain()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(trainrec.RecorderError, match="torch.distributed.checkpoint could not load"):
-        trt.DCPRecorder().load(saved, model, opt, rank_state="drop")
+    with pytest.raises(CorruptRecordError, match=r"__1_0\.distcp holds \d+ bytes, DCP's \.metadata points"):
+        trt.DCPRecorder().load(saved, model, opt, _sched(opt), rank_state="drop")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
@@ -338,3 +342,147 @@ def test_a_failed_dcp_write_commits_nothing_and_leaves_no_temp_directory(tmp_pat
         out = trt.DCPRecorder().save(tmp_path / "step-1", model, opt, async_save=async_save)
         out.result()
     assert os.listdir(tmp_path) == []
+
+
+def _two_groups():
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[0].bias]},
+                             {"params": [model[2].weight, model[2].bias], "lr": 1e-4}], lr=1e-2)
+    return model, opt
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            repr(opt.state_dict()))
+
+
+def _unchanged(before, model, opt):
+    params, grads, optim = before
+    return (all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+            and all((g is None) == (p.grad is None) and (g is None or torch.equal(g, p.grad))
+                    for g, p in zip(grads, model.parameters()))
+            and optim == repr(opt.state_dict()))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process checkpoint mid window (pending .grad, optimizer state, two param groups)
+    and another save's, for swapping parts in."""
+    torch.manual_seed(0)
+    model, opt = _two_groups()
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    model(torch.randn(3, 4)).sum().backward()
+    path = trt.DCPRecorder().save(tmp_path / "step-3", model, opt)
+    other = trt.DCPRecorder().save(tmp_path / "step-4", model, opt)
+    return path, other
+
+
+@pytest.mark.parametrize("damage", [
+    lambda p, o: _edit_manifest(p, grads=[]),  # the pending gradients would be dropped
+    lambda p, o: _edit_manifest(p, grads=["0.weight"]),
+    lambda p, o: _edit_manifest(p, optimizer_state=False),  # the optimizer state would be cleared
+    lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp")),
+])
+def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, damage):
+    """The manifest's facts are repeated inside DCP's files: an edited manifest, or the dcp/
+    directory of another save, is refused (both loaded silently before)."""
+    path, other = one_rank
+    damage(path, other)
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match="manifest was edited, or the dcp/ directory"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+
+
+def test_a_ddp_checkpoint_given_to_dcp_recorder_says_which_recorder_reads_it(one_rank):
+    path, _ = one_rank
+    _edit_manifest(path, format="trainrec.distributed")
+    model, opt = _two_groups()
+    with pytest.raises(CorruptRecordError, match=r"a DistributedRecorder checkpoint .*"
+                       r"TrainingRecord.load\(trainrec.adapters.torch.DistributedRecorder\(\)"):
+        trt.DCPRecorder().load(path, model, opt)
+
+
+def test_other_param_groups_or_another_model_s_optimizer_are_refused(one_rank, tmp_path):
+    """One param group where the run had two took group 0's lr for every parameter, without
+    a word; an optimizer of another model was a KeyError 0 from get_state_dict."""
+    from torch import nn
+
+    path, _ = one_rank
+    model, _ = _two_groups()
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-2)
+    before = _snapshot(model, opt)
+    with pytest.raises(RecordMismatchError, match="param groups differ"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt) and opt.param_groups[0]["lr"] == 5e-2
+    stranger = torch.optim.AdamW(nn.Linear(4, 8).parameters())
+    with pytest.raises(TypeError, match="not in the model: build the optimizer from"):
+        trt.DCPRecorder().load(path, model, stranger)
+    with pytest.raises(TypeError, match="not in the model: build the optimizer from"):
+        trt.DCPRecorder().save(tmp_path / "x", model, stranger)
+    assert not (tmp_path / "x").exists()
+
+
+def test_trainrec_verify_reads_a_dcp_checkpoint_and_refuses_a_truncated_shard(one_rank):
+    """The directory was 'not a record file'; now the trainrec.dcp format shows DCP's entries
+    and the parts, and a shard file shorter than DCP's .metadata says is refused."""
+    path, _ = one_rank
+    header, item = trainrec.read_file(path)
+    assert (header.format, header.record_type) == ("trainrec.dcp", "TrainingRecord")
+    assert item["dcp"]["model.0.weight"] == "float32[8, 4]"
+    assert item["manifest"]["grads"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    shard = path / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with pytest.raises(CorruptRecordError, match=r"__0_0\.distcp holds \d+ bytes, DCP's \.metadata points to"):
+        trainrec.read_file(path)
+
+
+def test_a_model_of_other_shapes_is_refused_naming_the_parameter(one_rank):
+    """It was DCP's CheckpointException, a traceback per rank naming no parameter."""
+    from torch import nn
+
+    path, _ = one_rank
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.AdamW([{"params": [model[0].weight, model[0].bias]},
+                             {"params": [model[2].weight, model[2].bias]}])
+    before = _snapshot(model, opt)
+    with pytest.raises(RecordMismatchError, match=r"model\.2\.weight is float32\[2, 8\] in the "
+                       r"checkpoint, float32\[3, 8\] in the live model"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+
+
+def test_a_saved_scheduler_with_none_given_is_refused(tmp_path):
+    """The scheduler's state was dropped without a word (single-process restore refuses it)."""
+    model, opt = _two_groups()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    path = trt.DCPRecorder().save(tmp_path / "step", model, opt, sched)
+    model2, opt2 = _two_groups()
+    before = _snapshot(model2, opt2)
+    with pytest.raises(RecordMismatchError, match="holds scheduler state but scheduler=None"):
+        trt.DCPRecorder().load(path, model2, opt2)
+    assert _unchanged(before, model2, opt2)
+
+
+def test_plain_pending_gradients_at_more_than_one_rank_are_refused(tmp_path, monkeypatch):
+    """A DDP model's pending .grad (each rank's own inside no_sync) is a plain tensor, which
+    DCP wrote once for all ranks: 2 DDP ranks each got another's gradients back, silently
+    (checked by hand with 2 gloo ranks). Refused before the ranks meet, so 2 ranks are faked."""
+    import trainrec.adapters.torch.dcp as dcp_mod
+
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    monkeypatch.setattr(dcp_mod, "_rank_world", lambda group: (0, 2))
+    with pytest.raises(trainrec.RecorderError, match="plain tensor, not a sharded DTensor.*"
+                       "DistributedRecorder"):
+        trt.DCPRecorder().save(tmp_path / "step", model, opt)
+    assert not (tmp_path / "step").exists() and os.listdir(tmp_path) == []

@@ -35,6 +35,7 @@ Needs the extra `trainrec[accelerate]`; importing this module imports accelerate
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,7 +57,8 @@ from .rng import TorchRngRecord
 
 __all__ = ["ExactResume"]
 
-_COUNTERS = ("accelerate_step", "accelerate_sync_gradients", "accelerate_dataloaders")
+_COUNTERS = ("accelerate_step", "accelerate_sync_gradients", "accelerate_dataloaders",
+             "accelerate_gradient_accumulation_steps")
 _SOURCE = "accelerate custom checkpoint (trainrec ExactResume)"
 
 
@@ -74,8 +76,10 @@ class ExactResume:
     the loaded one, sets `accelerator.step` and `sync_gradients` as they were, makes each
     stateful dataloader's resumed iterator and puts its generators and the global RNG back.
     A payload that does not fit (another model, a changed file, a state of another type,
-    another number of stateful dataloaders, of their generators or of CUDA devices) raises
-    `RecordMismatchError` naming what is wrong, and changes nothing.
+    another number of stateful dataloaders, of their generators or of CUDA devices, another
+    `gradient_accumulation_steps` inside a window) raises `RecordMismatchError` naming what
+    is wrong, and changes nothing: `load_state` runs the same checks in a pre-hook this
+    object registers, before Accelerate loads the model, optimizer, RNG and data position.
 
     Raises `TypeError` when `accelerator` is not an `accelerate.Accelerator` or `model` not an
     `nn.Module` (pass the model `prepare` returned, or the one you gave it), and `ValueError`
@@ -104,6 +108,7 @@ class ExactResume:
         self.model = model
         self.state = state
         self._loaders()  # refuses a dataloader prepared so far that cannot resume exactly
+        accelerator.register_load_state_pre_hook(self._check_before_load)
 
     def _module(self) -> nn.Module:
         unwrapped = self.accelerator.unwrap_model(self.model)
@@ -126,6 +131,7 @@ class ExactResume:
             "accelerate_step": int(acc.step),
             "accelerate_sync_gradients": int(bool(acc.gradient_state.sync_gradients)),
             "accelerate_dataloaders": len(loaders),
+            "accelerate_gradient_accumulation_steps": int(acc.gradient_accumulation_steps),
         }
         for i, dl in enumerate(loaders):
             counters[f"accelerate_dataloader{i}_iteration"] = int(getattr(dl, "iteration", 0))
@@ -133,8 +139,32 @@ class ExactResume:
         return pack(self._module(), self.state, counters,
                     rng=TorchRngRecord.capture(*_generators(loaders)))
 
+    def _check_before_load(self, models: Any, input_dir: str) -> None:
+        """`load_state`'s pre-hook: this object's payload in `input_dir` is checked before
+        Accelerate loads the model, optimizer, RNG and data position, so a payload that does
+        not fit changes none of them (`load_state_dict` would refuse it only after)."""
+        del models
+        index = next((i for i, obj in enumerate(self.accelerator._custom_objects) if obj is self),
+                     None)
+        file = Path(input_dir) / f"custom_checkpoint_{index}.pkl"
+        if index is None or not file.is_file():
+            return  # not registered, or Accelerate itself says the files do not match
+        self._checked(torch.load(file, map_location="cpu", weights_only=False))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned; on `RecorderError` nothing changed."""
+        pending, loaders, generators = self._checked(state_dict)
+        pending.apply(self._module())
+        if self.state is not None:
+            self.state = pending.state
+        self.accelerator.step = pending.counters["accelerate_step"]
+        self.accelerator.sync_gradients = bool(pending.counters["accelerate_sync_gradients"])
+        assert pending.rng is not None
+        self._resume_loaders(loaders, pending.counters, pending.rng, generators)
+
+    def _checked(self, state_dict: Any) -> tuple[Any, list[Any], list[torch.Generator]]:
+        """(the checked payload, the stateful loaders, their generators); raises
+        `RecordMismatchError` for a payload that does not fit."""
         module, loaders = self._module(), self._loaders()
         saved = state_dict.get("accelerate_dataloaders") if isinstance(state_dict, Mapping) else None
         if isinstance(saved, int) and saved != len(loaders):
@@ -159,12 +189,19 @@ class ExactResume:
         if len(pending.rng.cuda) != cuda:
             raise RecordMismatchError(f"{_SOURCE} holds the RNG states of {len(pending.rng.cuda)} "
                                       f"CUDA devices, this machine has {cuda}")
-        pending.apply(module)
-        if self.state is not None:
-            self.state = pending.state
-        self.accelerator.step = pending.counters["accelerate_step"]
-        self.accelerator.sync_gradients = bool(pending.counters["accelerate_sync_gradients"])
-        self._resume_loaders(loaders, pending.counters, pending.rng, generators)
+        saved_steps = pending.counters["accelerate_gradient_accumulation_steps"]
+        steps = int(self.accelerator.gradient_accumulation_steps)
+        mid_window = (pending.counters["accelerate_step"] % max(saved_steps, 1) != 0
+                      or bool(pending.grads.grads))
+        if saved_steps != steps and mid_window:
+            raise RecordMismatchError(
+                f"{_SOURCE} was saved inside a window of gradient_accumulation_steps="
+                f"{saved_steps}, this accelerator has {steps}: the pending gradients are a "
+                f"part of a {saved_steps}-step window (each micro-step's loss divided by "
+                f"{saved_steps}) and would be stepped as one of {steps}; resume with "
+                f"Accelerator(gradient_accumulation_steps={saved_steps}), or change it only "
+                "from a checkpoint at a window's end")
+        return pending, loaders, generators
 
     @staticmethod
     def _resume_loaders(loaders: list[Any], counters: Mapping[str, int], rng: TorchRngRecord,

@@ -40,6 +40,7 @@ refused, saying how to accumulate instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -65,19 +68,20 @@ from trainrec import (
     StateRecord,
     UnsupportedVersionError,
 )
-from trainrec.adapter_kit import path_arg
+from trainrec.adapter_kit import Header, Item, path_arg
 
 from .bindings import TorchLrScheduler
-from .distributed import _Commit, _rank_world, _safe_name
+from .distributed import _Commit, _parts_count, _rank_world, _safe_name
 from .wrappers import is_dtensor, named_parameters
 
-__all__ = ["DCPRecorder", "DCPRestored"]
+__all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
 
 FORMAT = "trainrec.dcp"
 VERSION = (1, 0)
 MANIFEST = "manifest.json"
 DCP_DIR = "dcp"
 _PART = "trainrec.dcp.part"
+_META = "trainrec"  # the DCP entry that repeats the manifest's facts
 _NATIVE = NativePrecisionSettings()
 
 U = TypeVar("U")
@@ -147,6 +151,8 @@ class DCPRecorder:
                 "DCPRecorder a process group of its own, DCPRecorder(group=dist.new_group("
                 "backend='gloo')), so they never interleave with training's")
         refuse_unsynced_gradients(model)
+        if world > 1:
+            _refuse_plain_gradients(model)
         if self._pending is not None:
             wait([self._pending])  # its outcome is its own future's
         commit = _Commit(path, rank, world, self.group)
@@ -168,7 +174,12 @@ class DCPRecorder:
             }
             NamedMpkFileRecorder(_NATIVE).save_item(
                 part, commit.temp / _part_name(rank, world), _PART)
-            tree = {"model": msd, "optim": osd, "grads": grads}
+            # what the manifest says, inside DCP's own files too: a load checks the two
+            # agree (a manifest edited, or the dcp/ directory of another save swapped in)
+            meta = json.dumps({"save_id": commit.token, "grads": sorted(grads),
+                               "optimizer_state": had_state, "param_groups": _groups(osd)},
+                              sort_keys=True)
+            tree = {"model": msd, "optim": osd, "grads": grads, _META: meta}
             if async_save:
                 # staged here: DCP's stager refuses FSDP2's parameter storages ("invalid
                 # python storage", torch 2.13), and a copy is what staging makes anyway
@@ -256,6 +267,10 @@ class DCPRecorder:
             raise RecordMismatchError("pending gradient for a parameter the model lacks",
                                       key=f"grads.{missing[0]}", source=str(path))
         sched_record = None
+        if scheduler is None and part.get("scheduler") is not None:
+            raise RecordMismatchError("the checkpoint holds scheduler state but scheduler=None "
+                                      "was given: pass the run's LR scheduler", key="scheduler",
+                                      source=str(path))
         if scheduler is not None:
             if part.get("scheduler") is None:
                 raise RecordMismatchError("the checkpoint holds no scheduler state, a scheduler "
@@ -275,12 +290,22 @@ class DCPRecorder:
                                          source=str(path)) from e
         msd, osd = _state_dicts(model, optimizer, params)
         target = {"model": _empty(msd), "optim": _empty(osd),
-                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]}}
+                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]},
+                  _META: ""}
+        _check_shapes(_checked_metadata(path / manifest["dcp"]), target, path)
         try:
             dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
                                 f"optimizer and pending gradients: {e}", source=str(path)) from e
+        _check_meta(target[_META], manifest, path)
+        saved_groups = json.loads(target[_META])["param_groups"]
+        if saved_groups != _groups(osd):
+            raise RecordMismatchError(
+                f"the optimizer's param groups differ: the checkpoint's hold {saved_groups}, "
+                f"the live optimizer's {_groups(osd)}; build the optimizer with the same param "
+                "groups as the run that saved it", key="optimizer.param_groups",
+                source=str(path))
         set_state_dict(model, optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optim"])
         if not manifest["optimizer_state"]:
@@ -338,11 +363,55 @@ def refuse_unsynced_gradients(model: nn.Module) -> None:
                     key=f"model.{name}")
 
 
+def _groups(osd: Any) -> list[list[str]]:
+    """The parameter names of each param group of `get_state_dict`'s optimizer state dict."""
+    return [sorted(str(n) for n in g.get("params", ())) for g in osd.get("param_groups", ())]
+
+
+def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:
+    """Raise `CorruptRecordError` unless the facts saved inside the DCP checkpoint are the
+    manifest's (the same save, the same pending gradients, optimizer state or none)."""
+    try:
+        doc = json.loads(meta)
+        saved = {k: doc[k] for k in ("save_id", "grads", "optimizer_state", "param_groups")}
+    except (TypeError, ValueError, KeyError):
+        raise CorruptRecordError(f"the DCP checkpoint's {_META!r} entry is malformed",
+                                 source=str(path / manifest["dcp"]), key=_META) from None
+    for key in ("save_id", "grads", "optimizer_state"):
+        if saved[key] != manifest[key]:
+            raise CorruptRecordError(
+                f"the DCP checkpoint says {key} {saved[key]!r}, {MANIFEST} says "
+                f"{manifest[key]!r}: the manifest was edited, or the {manifest['dcp']}/ "
+                "directory is another save's", source=str(path), key=key)
+
+
+def _refuse_plain_gradients(model: nn.Module) -> None:
+    """Raise `RecorderError` when, at world size > 1, a pending `.grad` is a plain tensor
+    (DistributedDataParallel, or a model that is not sharded): DCP takes a plain tensor for
+    the same on every rank and writes it once, but inside a `no_sync()` window each rank's
+    partial sum is its own, so every rank would get one rank's back."""
+    for name, p in named_parameters(model):
+        if p.grad is not None and not is_dtensor(p.grad):
+            raise RecorderError(
+                f"the pending gradient of {name!r} is a plain tensor, not a sharded DTensor: "
+                "DCP saves a plain tensor once, as if it were the same on every rank, but "
+                "each rank's gradients inside an accumulation window (DDP's no_sync) are its "
+                "own. Save a DistributedDataParallel run with trainrec.adapters.torch."
+                "DistributedRecorder (each rank's pending gradients kept), or with "
+                "DCPRecorder after the optimizer step (no pending .grad)",
+                key=f"grads.{name}")
+
+
 def _check_objects(model: Any, optimizer: Any, scheduler: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    ours = {id(p) for p in model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        if any(id(p) not in ours for p in group["params"]):
+            raise TypeError(f"param group {i} of the optimizer holds a parameter that is not "
+                            "in the model: build the optimizer from model.parameters()")
     if scheduler is not None and not hasattr(scheduler, "state_dict"):
         raise TypeError(f"scheduler must be a torch LR scheduler or None, got {type(scheduler).__name__}")
 
@@ -377,6 +446,83 @@ def _empty(tree: Any) -> Any:
     return tree
 
 
+def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
+    """The `trainrec.dcp` format's reader (`trainrec inspect` / `verify`, and
+    `trainrec.read_file`), in one process without a process group: the manifest, every
+    rank's part (scheduler and caller state; their checksums checked), and what DCP's
+    `.metadata` says of each entry (dtype and shape, not the values: loading them needs
+    `DCPRecorder().load`), after checking that every shard file it names exists and holds
+    the bytes it points to (a truncated or missing shard file is refused; DCP keeps no
+    checksums, so a changed byte is not found)."""
+    del mmap
+    path = Path(path)
+    manifest = _read_manifest(path)
+    parts = [_read_part(path, manifest, r) for r in range(manifest["world_size"])]
+    header = dataclasses.replace(trainrec.read_file(path / manifest["parts"][0])[0],
+                                 format=FORMAT, version=VERSION, record_type="TrainingRecord")
+    metadata = _checked_metadata(path / manifest["dcp"])
+    entries: dict[str, Item] = {}
+    for key, meta in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = str(meta.properties.dtype).removeprefix("torch.")
+            entries[key] = f"{dtype}{list(meta.size)}"
+        else:
+            entries[key] = "bytes"
+    fields = ("world_size", "save_id", "grads", "optimizer_state", "scheduler", "state")
+    item: dict[str, Item] = {
+        "manifest": {k: manifest.get(k) for k in fields},
+        "dcp": entries,
+        "parts": [{"scheduler": p.get("scheduler"), "state": p.get("state")} for p in parts],
+    }
+    return header, item
+
+
+def _checked_metadata(folder: Path) -> Any:
+    """DCP's `.metadata` of `folder`, after checking that every shard file it names exists
+    and holds the bytes it points to (`CorruptRecordError`)."""
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - DCP's unpickling raises anything
+        raise CorruptRecordError(f"DCP's .metadata is unreadable: {type(e).__name__}: {e}",
+                                 source=str(folder)) from e
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        if not _safe_name(name):
+            raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
+                                     "the checkpoint", source=str(folder))
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
+        size = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if size is None or size < end:
+            raise CorruptRecordError(
+                f"shard file {name} " + ("is missing" if size is None else
+                                         f"holds {size} bytes, DCP's .metadata points to {end}"),
+                source=str(folder / name))
+    return metadata
+
+
+def _check_shapes(metadata: Any, target: dict[str, Any], path: Path) -> None:
+    """`RecordMismatchError` naming the first model parameter or pending gradient whose
+    saved shape or dtype is not the live one's (DCP's own error is a traceback per rank)."""
+    saved = metadata.state_dict_metadata
+    for group in ("model", "grads"):
+        for name, t in target[group].items():
+            meta = saved.get(f"{group}.{name}")
+            if not isinstance(t, torch.Tensor) or meta is None:
+                continue  # DCP names a missing key itself
+            if not isinstance(meta, TensorStorageMetadata):
+                raise RecordMismatchError(f"{group}.{name} is not a tensor in the checkpoint",
+                                          key=f"{group}.{name}", source=str(path))
+            if tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
+                raise RecordMismatchError(
+                    f"{group}.{name} is {str(meta.properties.dtype).removeprefix('torch.')}"
+                    f"{list(meta.size)} in the checkpoint, "
+                    f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} in the live model: "
+                    "build the model the run that saved it had", key=f"{group}.{name}",
+                    source=str(path))
+
+
 def _part_name(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.mpk"
 
@@ -393,6 +539,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                                  "DCPRecorder committed", source=str(path)) from None
     except (OSError, ValueError) as e:
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if isinstance(doc, dict) and doc.get("format") == "trainrec.distributed":
+        raise CorruptRecordError(
+            "this is a DistributedRecorder checkpoint (DDP: whole tensors per rank), not a "
+            "DCPRecorder one: load it with TrainingRecord.load(trainrec.adapters.torch."
+            "DistributedRecorder(), path, device, state_type=...)", source=str(path))
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
     version = doc.get("version")
@@ -414,7 +565,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     }
     for key, ok in checks.items():
         if not ok:
-            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+            raise CorruptRecordError(f"malformed {key}" + (_parts_count(world, parts) if key == "parts" else ""),
+                                     source=str(file), key=key)
     if not (path / doc["dcp"] / ".metadata").is_file():
         raise CorruptRecordError("the DCP checkpoint's .metadata is missing",
                                  source=str(path / doc["dcp"]))

@@ -216,6 +216,11 @@ class DistributedRecorder(RecorderBase):
         _expect_part(local, {"rank": rank, "world_size": world, "save_id": manifest["save_id"]},
                      path / manifest["parts"][rank])
         if manifest["replicated"] is None:
+            if "item" not in local:
+                raise CorruptRecordError(
+                    f"{MANIFEST} names no replicated part, but this rank's part is one of a "
+                    "TrainingRecord split into replicated and per-rank parts (the manifest was "
+                    "edited)", source=str(path / MANIFEST), key="replicated")
             item = local.get("item")
         else:
             rep_path = path / manifest["replicated"]
@@ -223,6 +228,16 @@ class DistributedRecorder(RecorderBase):
             _expect_part(rep, {"save_id": manifest["save_id"]}, rep_path)
             item = _merge(rep, local, rep_path)
         return dataclasses.replace(header, record_type=manifest["record"]), item
+
+
+def read_distributed(path: Path, mmap: bool = False) -> tuple[Header, Item]:
+    """The `trainrec.distributed` format's reader (`trainrec inspect` / `verify`, and
+    `trainrec.read_file`): reads and checks every rank's view (each part's checksums, its
+    rank and save id) and returns rank 0's."""
+    recorder = DistributedRecorder()
+    world = _read_manifest(Path(path))["world_size"]
+    views = [recorder.read(path, mmap=mmap, rank=r) for r in range(world)]
+    return dataclasses.replace(views[0][0], format=FORMAT, version=VERSION), views[0][1]
 
 
 # -- what is replicated and what is a rank's own ---------------------------------------------
@@ -557,6 +572,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
                                  "DistributedRecorder committed", source=str(path)) from None
     except (OSError, ValueError) as e:
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
+    if isinstance(doc, dict) and doc.get("format") == "trainrec.dcp":
+        raise CorruptRecordError(
+            "this is a DCPRecorder checkpoint (sharded, torch.distributed.checkpoint), not a "
+            "DistributedRecorder one: load it with trainrec.adapters.torch.DCPRecorder().load("
+            "path, model, optimizer, scheduler)", source=str(path))
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
     version = doc.get("version")
@@ -578,8 +598,16 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     }
     for key, ok in checks.items():
         if not ok:
-            raise CorruptRecordError(f"malformed {key}", source=str(file), key=key)
+            raise CorruptRecordError(f"malformed {key}" + (_parts_count(world, parts) if key == "parts" else ""),
+                                     source=str(file), key=key)
     return doc
+
+
+def _parts_count(world: Any, parts: Any) -> str:
+    """What is wrong when `parts` does not list one name per rank (else nothing)."""
+    if type(world) is int and isinstance(parts, list) and len(parts) != world:
+        return f": it lists {len(parts)} part(s), world_size says {world} (the manifest was edited)"
+    return ""
 
 
 def _safe_name(name: str) -> bool:

@@ -57,6 +57,10 @@ class ExactResume(pl.Callback):
     mid-epoch with a train dataloader that keeps no position (a plain `DataLoader`: Lightning
     restarts the epoch and replays batches) raises `ValueError` unless `allow_replay=True`.
 
+    One per Trainer: its checkpoint entry is `trainrec.ExactResume` (Lightning refuses a
+    second instance, "Found more than one stateful callback of type `ExactResume`"); keep
+    all your counters in one `state` record.
+
     Raises `TypeError` when `state` is not a trainrec Record; `ValueError` in a Trainer of
     more than one process (see `setup`)."""
 
