@@ -311,7 +311,7 @@ def test_a_damaged_checkpoint_is_refused_clearly(saved, damage, error, match):
 
 
 def test_a_missing_checkpoint_is_a_file_missing_error(tmp_path):
-    with pytest.raises(FileMissingError, match="no committed distributed checkpoint"):
+    with pytest.raises(FileMissingError, match="no committed DistributedRecorder checkpoint"):
         TrainingRecord.load(trt.DistributedRecorder(), tmp_path / "step-9")
 
 

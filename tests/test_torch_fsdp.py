@@ -219,7 +219,7 @@ def test_misuse_is_refused(saved, tmp_path):
         trt.DCPRecorder().save(tmp_path / "x", model, object())
     with pytest.raises(TypeError, match="state must be a Record"):
         trt.DCPRecorder().save(tmp_path / "x", model, opt, None, {"micro": 1})
-    with pytest.raises(FileMissingError, match="no committed DCP checkpoint"):
+    with pytest.raises(FileMissingError, match="no committed DCPRecorder checkpoint"):
         trt.DCPRecorder().load(tmp_path / "missing", model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     _edit_manifest(saved, world_size=1, parts=["rank-00000-of-00002.mpk"])

@@ -60,18 +60,16 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import trainrec
 from trainrec import (
     CorruptRecordError,
-    FileMissingError,
     NamedMpkFileRecorder,
     NativePrecisionSettings,
     RecorderError,
     RecordMismatchError,
     StateRecord,
-    UnsupportedVersionError,
 )
 from trainrec.adapter_kit import Header, Item, path_arg
 
 from .bindings import TorchLrScheduler
-from .distributed import _Commit, _parts_count, _rank_world, _safe_name
+from .distributed import _Commit, _rank_world, _safe_name, read_manifest
 from .wrappers import is_dtensor, named_parameters
 
 __all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
@@ -528,45 +526,11 @@ def _part_name(rank: int, world: int) -> str:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    file = path / MANIFEST
-    if not path.is_dir():
-        raise FileMissingError("no committed DCP checkpoint here (a save commits its directory "
-                               "by renaming it into place)", source=str(path))
-    try:
-        doc = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
-                                 "DCPRecorder committed", source=str(path)) from None
-    except (OSError, ValueError) as e:
-        raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
-    if isinstance(doc, dict) and doc.get("format") == "trainrec.distributed":
-        raise CorruptRecordError(
-            "this is a DistributedRecorder checkpoint (DDP: whole tensors per rank), not a "
-            "DCPRecorder one: load it with TrainingRecord.load(trainrec.adapters.torch."
-            "DistributedRecorder(), path, device, state_type=...)", source=str(path))
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
-    version = doc.get("version")
-    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
-        raise CorruptRecordError("malformed version", source=str(file), key="version")
-    if version[0] != VERSION[0]:
-        raise UnsupportedVersionError(f"format version {version[0]}.{version[1]}, this trainrec "
-                                      f"reads {VERSION[0]}.x", source=str(file))
-    world = doc.get("world_size")
-    parts = doc.get("parts")
-    checks = {
-        "world_size": type(world) is int and world >= 1,
-        "save_id": isinstance(doc.get("save_id"), str),
-        "parts": isinstance(parts, list) and len(parts) == world and all(
-            isinstance(p, str) and _safe_name(p) for p in parts),
+    doc = read_manifest(path, FORMAT, VERSION, "DCPRecorder", lambda doc: {
         "dcp": isinstance(doc.get("dcp"), str) and _safe_name(doc["dcp"]),
         "grads": isinstance(doc.get("grads"), list) and all(isinstance(g, str) for g in doc["grads"]),
         "optimizer_state": isinstance(doc.get("optimizer_state"), bool),
-    }
-    for key, ok in checks.items():
-        if not ok:
-            raise CorruptRecordError(f"malformed {key}" + (_parts_count(world, parts) if key == "parts" else ""),
-                                     source=str(file), key=key)
+    })
     if not (path / doc["dcp"] / ".metadata").is_file():
         raise CorruptRecordError("the DCP checkpoint's .metadata is missing",
                                  source=str(path / doc["dcp"]))

@@ -45,6 +45,7 @@ import re
 import secrets
 import shutil
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -561,40 +562,62 @@ def _part_name(rank: int, world: int, suffix: str) -> str:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
+    return read_manifest(path, FORMAT, VERSION, "DistributedRecorder", lambda doc: {
+        "record": isinstance(doc.get("record"), str),
+        "replicated": doc.get("replicated") is None or (
+            isinstance(doc.get("replicated"), str) and _safe_name(doc["replicated"])),
+    })
+
+
+_OTHER_FORMATS = {
+    "trainrec.distributed": "a DistributedRecorder checkpoint (DDP: whole tensors per rank): load "
+                            "it with TrainingRecord.load(trainrec.adapters.torch.DistributedRecorder(), "
+                            "path, device, state_type=...)",
+    "trainrec.dcp": "a DCPRecorder checkpoint (sharded, torch.distributed.checkpoint): load it "
+                    "with trainrec.adapters.torch.DCPRecorder().load(path, model, optimizer, scheduler)",
+}
+
+
+def read_manifest(
+    path: Path, fmt: str, version: tuple[int, int], recorder: str,
+    fields: Callable[[dict[str, Any]], dict[str, bool]],
+) -> dict[str, Any]:
+    """The manifest of the checkpoint directory `path` that `recorder` commits (format
+    `fmt`), checked: the format and its major version, `world_size`, `save_id`, one safe
+    part name per rank, and `fields(doc)` (each recorder's own: name -> well formed).
+    `CorruptRecordError` naming the file and the field, or the recorder that reads a
+    checkpoint of the other distributed format."""
     file = path / MANIFEST
     if not path.is_dir():
-        raise FileMissingError("no committed distributed checkpoint here (a save commits its "
+        raise FileMissingError(f"no committed {recorder} checkpoint here (a save commits its "
                                "directory by renaming it into place)", source=str(path))
     try:
         doc = json.loads(file.read_bytes())
     except FileNotFoundError:
         raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
-                                 "DistributedRecorder committed", source=str(path)) from None
+                                 f"{recorder} committed", source=str(path)) from None
     except (OSError, ValueError) as e:
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
-    if isinstance(doc, dict) and doc.get("format") == "trainrec.dcp":
-        raise CorruptRecordError(
-            "this is a DCPRecorder checkpoint (sharded, torch.distributed.checkpoint), not a "
-            "DistributedRecorder one: load it with trainrec.adapters.torch.DCPRecorder().load("
-            "path, model, optimizer, scheduler)", source=str(path))
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptRecordError(f"{MANIFEST} is not a {FORMAT} manifest", source=str(file))
-    version = doc.get("version")
-    if not (isinstance(version, list) and len(version) == 2 and all(type(v) is int for v in version)):
+    other = doc.get("format") if isinstance(doc, dict) else None
+    if other != fmt and other in _OTHER_FORMATS:
+        raise CorruptRecordError(f"this is {_OTHER_FORMATS[other]}, not a {recorder} one",
+                                 source=str(path))
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        raise CorruptRecordError(f"{MANIFEST} is not a {fmt} manifest", source=str(file))
+    got = doc.get("version")
+    if not (isinstance(got, list) and len(got) == 2 and all(type(v) is int for v in got)):
         raise CorruptRecordError("malformed version", source=str(file), key="version")
-    if version[0] != VERSION[0]:
-        raise UnsupportedVersionError(f"format version {version[0]}.{version[1]}, this trainrec "
-                                      f"reads {VERSION[0]}.x", source=str(file))
+    if got[0] != version[0]:
+        raise UnsupportedVersionError(f"format version {got[0]}.{got[1]}, this trainrec "
+                                      f"reads {version[0]}.x", source=str(file))
     world = doc.get("world_size")
     parts = doc.get("parts")
     checks = {
         "world_size": type(world) is int and world >= 1,
-        "record": isinstance(doc.get("record"), str),
         "save_id": isinstance(doc.get("save_id"), str),
         "parts": isinstance(parts, list) and len(parts) == world and all(
             isinstance(p, str) and _safe_name(p) for p in parts),
-        "replicated": doc.get("replicated") is None or (
-            isinstance(doc.get("replicated"), str) and _safe_name(doc["replicated"])),
+        **fields(doc),
     }
     for key, ok in checks.items():
         if not ok:
