@@ -18,6 +18,8 @@ MODE:
   through writing its part; rank 0 writes the error it got to OUT/kill-error.txt and exits.
 - `resume:S`: restore OUT/ckpt/step-S into fresh objects, train to STEPS, write
   OUT/resumed-S-RANK.mpk.
+- `load-damaged`: load OUT/damaged (rank 1's part truncated) and write what each rank
+  got to OUT/load-damaged-RANK.txt.
 
 With DDP_RUN_DEVICE=cuda the ranks run NCCL, one GPU each (the `cuda` test); a world of
 one rank has nobody to kill, so its last save just commits.
@@ -147,6 +149,13 @@ def main() -> None:
         state.rng.apply()
         train(model, opt, sched, acc, state, STEPS)
         capture(model, opt, sched, acc, state).save(native, out / f"resumed-{step}-{rank}.mpk")
+    elif mode == "load-damaged":  # OUT/damaged: rank 1's part truncated by the test
+        try:
+            TrainingRecord.load(trt.DistributedRecorder(), out / "damaged", device(rank), state_type=State)
+            result = "loaded"
+        except trainrec.RecorderError as e:
+            result = f"{type(e).__name__}: {e}"
+        (out / f"load-damaged-{rank}.txt").write_text(result)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.destroy_process_group()

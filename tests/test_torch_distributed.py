@@ -122,6 +122,22 @@ def test_a_different_world_size_is_refused(runs):
         TrainingRecord.load(trt.DistributedRecorder(), runs / "ckpt" / f"step-{A:08d}", rank=True)
 
 
+def test_a_part_one_rank_cannot_read_fails_the_load_on_every_rank(runs):
+    """Loads are collective: rank 0's part is intact, yet it raises too, naming rank 1, so
+    it never restores and then waits at its next all-reduce for a rank that failed."""
+    import json
+    import shutil
+
+    damaged = runs / "damaged"
+    shutil.copytree(runs / "ckpt" / f"step-{B:08d}", damaged)
+    part = damaged / json.loads((damaged / "manifest.json").read_text())["parts"][1]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    _phase(runs, ["load-damaged"])
+    got = [(runs / f"load-damaged-{r}.txt").read_text() for r in (0, 1)]
+    assert got[1].startswith("CorruptRecordError"), got[1]
+    assert got[0].startswith("RecorderError: rank 1 could not load its part"), got[0]
+
+
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(runs):
     error = (runs / "kill-error.txt").read_text()
     assert error.startswith("RecorderError: the ranks could not meet") and "nothing was committed" in error

@@ -194,7 +194,33 @@ class DistributedRecorder(RecorderBase):
         world size. Raises `FileMissingError` when there is no committed checkpoint,
         `RecordMismatchError` for another world size (or rank out of range; `TypeError`
         for a rank that is not an int), and
-        `CorruptRecordError` for a damaged or mixed-up directory."""
+        `CorruptRecordError` for a damaged or mixed-up directory.
+
+        Without `rank`, reading is collective when the group has several ranks: every rank
+        calls it, and when any rank's read fails every rank raises (the others a
+        `RecorderError` naming that rank and its error), so no rank restores and then waits
+        at its next collective for one that could not."""
+        if rank is not None or _rank_world(self.group)[1] == 1:
+            return self._read(args, mmap, rank)
+        failure: BaseException | None = None
+        try:
+            out: tuple[Header, Item] | None = self._read(args, mmap, None)
+        except Exception as e:  # every rank learns of it before any restores
+            failure, out = e, None
+        outcomes: list[Any] = [None] * _rank_world(self.group)[1]
+        dist.all_gather_object(outcomes, None if failure is None else f"{type(failure).__name__}: {failure}",
+                               group=self.group)
+        if failure is not None:
+            raise failure
+        failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+        if failed:
+            r, msg = failed[0]
+            raise RecorderError(f"rank {r} could not load its part of the checkpoint ({msg}); no "
+                                "rank restores from it", source=str(path_arg(args)))
+        assert out is not None
+        return out
+
+    def _read(self, args: Any, mmap: bool, rank: int | None) -> tuple[Header, Item]:
         path = path_arg(args)
         manifest = _read_manifest(path)
         world = manifest["world_size"]
