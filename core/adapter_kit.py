@@ -44,6 +44,7 @@ from .convert import (
     as_count,
     as_list,
     as_map,
+    out_in_weight,
     register_neutral_form,
     tensors_of,
 )
@@ -117,6 +118,7 @@ __all__ = [
     "LrScheduler",
     "Module",
     "Neutral",
+    "out_in_weight",
     "NeutralForm",
     "NeutralOptimizer",
     "Optimizer",

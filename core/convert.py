@@ -70,7 +70,7 @@ from .tensor import TensorData
 from .training import TrainingRecord
 
 __all__ = ["ConversionError", "Rule", "load_rules", "convert", "framework_of", "TRANSFORMS",
-           "NeutralForm", "Neutral", "NeutralOptimizer", "ScheduleCount", "TargetState",
+           "NeutralForm", "Neutral", "NeutralOptimizer", "out_in_weight", "ScheduleCount", "TargetState",
            "ROLES", "MOMENTS", "SETTINGS", "register_neutral_form", "form_for", "as_map", "as_list",
            "as_count", "tensors_of"]
 
@@ -131,6 +131,20 @@ class Neutral:
         a = a.reshape(self._permuted(own))
         return a if self.perm is None else a.transpose(np.argsort(self.perm))
 
+
+
+def out_in_weight(path: str, shape: tuple[int, ...]) -> list[Neutral]:
+    """The candidates of a `weight` stored out-features first, as torch and equinox store
+    it: 1-D a norm's scale, 2-D a dense kernel `[out, in]` (or an embedding), 3-5-D a conv
+    kernel `(out, in, *spatial)`; none for other ranks."""
+    rank = len(shape)
+    if rank == 1:
+        return [Neutral(path, "norm.scale")]
+    if rank == 2:
+        return [Neutral(path, "dense.kernel", (1, 0)), Neutral(path, "embedding")]
+    if 3 <= rank <= 5:
+        return [Neutral(path, "conv.kernel", (*range(2, rank), 1, 0))]
+    return []
 
 @dataclass
 class NeutralOptimizer:

@@ -59,6 +59,7 @@ from trainrec.adapter_kit import (
     TrainingRecord,
     as_count,
     as_map,
+    out_in_weight,
     tensors_of,
 )
 
@@ -371,13 +372,7 @@ class EqxForm(JaxForm):
         path, _, leaf = name.rpartition(".")
         rank = len(shape)
         if leaf == "weight":
-            if rank == 1:
-                return [Neutral(path, "norm.scale")]
-            if rank == 2:
-                return [Neutral(path, "dense.kernel", (1, 0)), Neutral(path, "embedding")]
-            if 3 <= rank <= 5:
-                return [Neutral(path, "conv.kernel", (*range(2, rank), 1, 0))]
-            return []
+            return out_in_weight(path, shape)
         if leaf == "bias":
             return [Neutral(path, "bias", shape=(int(np.prod(shape)),) if rank > 1 else None)]
         return []

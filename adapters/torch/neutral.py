@@ -54,6 +54,7 @@ from trainrec.adapter_kit import (
     as_count,
     as_list,
     as_map,
+    out_in_weight,
     tensors_of,
 )
 
@@ -126,15 +127,8 @@ class TorchForm:
 
     def candidates(self, name: str, shape: tuple[int, ...]) -> list[Neutral]:
         path, _, leaf = name.rpartition(".")
-        rank = len(shape)
         if leaf == "weight":
-            if rank == 1:
-                return [Neutral(path, "norm.scale")]
-            if rank == 2:
-                return [Neutral(path, "dense.kernel", (1, 0)), Neutral(path, "embedding")]
-            if 3 <= rank <= 5:
-                return [Neutral(path, "conv.kernel", (*range(2, rank), 1, 0))]
-            return []
+            return out_in_weight(path, shape)
         role = {"bias": "bias", "running_mean": "norm.mean", "running_var": "norm.var",
                 "num_batches_tracked": "counter"}.get(leaf)
         return [Neutral(path, role)] if role else []
