@@ -13,7 +13,9 @@ micro-step 4, which the 2 ranks load last. Dumps hold full (gathered) tensors, c
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,7 +67,7 @@ def runs(tmp_path_factory):
     (out / "ckpt4").mkdir()
     _phase(out, [("checkpoint", 2)])
     # the 2 ranks load the 4 ranks' step-A once they committed it
-    _phase(out, [(f"resume+reshard:4:{A}", 2), (f"reshard:2:{B}+checkpoint", 4)])
+    _phase(out, [(f"resume+damaged+reshard:4:{A}", 2), (f"reshard:2:{B}+checkpoint", 4)])
     return out
 
 
@@ -106,6 +108,24 @@ def test_another_world_size_reshards_model_optimizer_and_gradients_unchanged(run
         refusal = (runs / f"refused{saved}to{world}-{rank}.txt").read_text()
         assert f"saved by {saved} rank(s), this run has {world}" in refusal
         assert "rank_state='drop'" in refusal
+
+
+@pytest.mark.parametrize(("damage", "error"), [
+    # DCP keeps no checksums: a flipped byte loaded as a wrong value. The manifest has the
+    # CRC-32 of every entry DCP wrote; rank 1 reads the damaged one
+    ("shard", r"CorruptRecordError: shard file __1_0\.distcp is damaged: the \d+ bytes at "
+              r"offset \d+ have CRC-32 [0-9a-f]{8}, the save wrote [0-9a-f]{8}"),
+    # rank 1 refused before DCP's collectives, and rank 0 waited in them until the timeout
+    ("part", r"CorruptRecordError: .*rank-00001-of-00002\.mpk"),
+])
+def test_one_rank_s_damaged_file_is_refused_on_every_rank_before_any_changes(runs, damage, error):
+    """Rank 1 raises what is wrong; rank 0, whose files are sound, raises naming rank 1,
+    before reading any tensor; neither rank's live state changed."""
+    one = (runs / f"damaged-{damage}-1.txt").read_text()
+    zero = (runs / f"damaged-{damage}-0.txt").read_text()
+    assert one.startswith("unchanged=True\n") and re.search(error, one), one
+    assert zero.startswith("unchanged=True\nRecorderError: rank 1 could not load its part of "
+                           "the checkpoint (") and re.search(error, zero), zero
 
 
 def test_the_checkpoint_is_a_dcp_directory_with_rank_parts(runs):
@@ -186,7 +206,7 @@ def _sched(opt):
 @pytest.mark.parametrize(("damage", "error", "match"), [
     (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
     (lambda p: _edit_manifest(p, format="trainrec.other"), CorruptRecordError, "not a trainrec.dcp"),
-    (lambda p: _edit_manifest(p, version=[2, 0]), trainrec.UnsupportedVersionError, "version 2.0"),
+    (lambda p: _edit_manifest(p, version=[3, 0]), trainrec.UnsupportedVersionError, "version 3.0"),
     (lambda p: _edit_manifest(p, world_size=0), CorruptRecordError, "malformed world_size"),
     (lambda p: _edit_manifest(p, dcp="../x"), CorruptRecordError, "malformed dcp"),
     (lambda p: _edit_manifest(p, grads="0.weight"), CorruptRecordError, "malformed grads"),
@@ -222,7 +242,8 @@ def test_misuse_is_refused(saved, tmp_path):
     with pytest.raises(FileMissingError, match="no committed DCPRecorder checkpoint"):
         trt.DCPRecorder().load(tmp_path / "missing", model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    _edit_manifest(saved, world_size=1, parts=["rank-00000-of-00002.mpk"])
+    shards = json.loads((saved / "manifest.json").read_text())["shards"]
+    _edit_manifest(saved, world_size=1, parts=["rank-00000-of-00002.mpk"], shards=shards[:1])
     with pytest.raises(CorruptRecordError, match="world_size is 2, the manifest says 1"):
         trt.DCPRecorder().load(saved, model, opt, sched)
 
@@ -382,13 +403,22 @@ def one_rank(tmp_path):
     return path, other
 
 
-@pytest.mark.parametrize("damage", [
-    lambda p, o: _edit_manifest(p, grads=[]),  # the pending gradients would be dropped
-    lambda p, o: _edit_manifest(p, grads=["0.weight"]),
-    lambda p, o: _edit_manifest(p, optimizer_state=False),  # the optimizer state would be cleared
-    lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp")),
+_EDITED = "manifest was edited, or the dcp/ directory"
+
+
+@pytest.mark.parametrize(("damage", "match"), [
+    (lambda p, o: _edit_manifest(p, grads=[]), _EDITED),  # the pending gradients would be dropped
+    (lambda p, o: _edit_manifest(p, grads=["0.weight"]), _EDITED),
+    (lambda p, o: _edit_manifest(p, optimizer_state=False), _EDITED),  # the optimizer state cleared
+    # another save's dcp/: its bytes are not the ones this manifest has the checksums of
+    (lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp")),
+     r"__0_0\.distcp is damaged: the \d+ bytes at offset \d+ have CRC-32 [0-9a-f]{8}, the save"),
+    # ... and with that save's checksums too, the facts repeated inside DCP's files differ
+    (lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp"),
+                   _edit_manifest(p, shards=json.loads((o / "manifest.json").read_text())["shards"])),
+     _EDITED),
 ])
-def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, damage):
+def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, damage, match):
     """The manifest's facts are repeated inside DCP's files: an edited manifest, or the dcp/
     directory of another save, is refused (both loaded silently before)."""
     path, other = one_rank
@@ -398,7 +428,7 @@ def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, 
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     before = _snapshot(model, opt)
-    with pytest.raises(CorruptRecordError, match="manifest was edited, or the dcp/ directory"):
+    with pytest.raises(CorruptRecordError, match=match):
         trt.DCPRecorder().load(path, model, opt)
     assert _unchanged(before, model, opt)
 
@@ -486,3 +516,103 @@ def test_plain_pending_gradients_at_more_than_one_rank_are_refused(tmp_path, mon
                        "DistributedRecorder"):
         trt.DCPRecorder().save(tmp_path / "step", model, opt)
     assert not (tmp_path / "step").exists() and os.listdir(tmp_path) == []
+
+
+def test_a_changed_byte_is_refused_by_load_and_verify_and_the_live_objects_stay(one_rank):
+    """DCP keeps no checksums: one flipped byte inside a tensor loaded as another value."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    where = next(info for index, info in meta.storage_data.items() if index.fqn == "model.2.weight")
+    shard = path / "dcp" / where.relative_path
+    data = bytearray(shard.read_bytes())
+    data[where.offset + where.length - 40] ^= 0x10  # in the tensor's bytes, near the blob's end
+    shard.write_bytes(bytes(data))
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    model(torch.randn(3, 4)).sum().backward()
+    before = _snapshot(model, opt)
+    damaged = r"__0_0\.distcp is damaged: the \d+ bytes at offset \d+ have CRC-32"
+    with pytest.raises(CorruptRecordError, match=damaged):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(CorruptRecordError, match=damaged):
+        trainrec.read_file(path)  # trainrec verify / inspect
+
+
+class _Marker:
+    """Unpickling it opens (creates) a file: what a hostile checkpoint's code could do."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = str(file)
+
+    def __reduce__(self):
+        return (open, (self.file, "w"))
+
+
+def test_a_hostile_dcp_metadata_is_refused_without_unpickling_it(one_rank, tmp_path):
+    """DCP unpickles .metadata with pickle.load: any code in it ran, in load and verify."""
+    import pickle
+
+    path, _ = one_rank
+    marker = tmp_path / "ran"
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    model, opt = _two_groups()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match=r"\.metadata names io\.open, which DCP's "
+                       r"metadata never holds: refused without unpickling it"):
+        trt.DCPRecorder().load(path, model, opt)
+    with pytest.raises(CorruptRecordError, match=r"names io\.open"):
+        trainrec.read_file(path)
+    assert not marker.exists() and _unchanged(before, model, opt)
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(CorruptRecordError, match="does not hold a DCP Metadata"):
+        trainrec.read_file(path)
+
+
+def test_a_hostile_non_tensor_entry_is_refused_without_running_it(tmp_path, monkeypatch):
+    """DCP unpickles its non-tensor entries with torch.load(weights_only=False). A save whose
+    entry holds an object that runs code when unpickled (its checksums right: written by
+    the save itself) is refused, and the code does not run."""
+    import trainrec.adapters.torch.dcp as dcp_mod
+
+    marker = tmp_path / "ran"
+    real = dcp_mod.dcp_save
+    monkeypatch.setattr(dcp_mod, "dcp_save", lambda tree, **kw: real({**tree, "trainrec": _Marker(marker)}, **kw))
+    model, opt = _two_groups()
+    path = trt.DCPRecorder().save(tmp_path / "step", model, opt)
+    monkeypatch.undo()
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({"trainrec": ""}, checkpoint_id=path / "dcp")  # a plain DCP load runs it
+    assert marker.exists()
+    marker.unlink()
+    model2, opt2 = _two_groups()
+    before = _snapshot(model2, opt2)
+    with pytest.raises(CorruptRecordError, match="the DCP entry 'trainrec' holds something other "
+                       "than plain values, refused unread"):
+        trt.DCPRecorder().load(path, model2, opt2)
+    assert not marker.exists() and _unchanged(before, model2, opt2)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda s: s.update(shards="x"), "malformed shards"),
+    (lambda s: s["shards"][0]["__0_0.distcp"].update(size=1), r"holds \d+ bytes, the save wrote 1"),
+    (lambda s: s["shards"][0].pop("__0_0.distcp"), r"__0_0\.distcp has no checksum in manifest\.json"),
+    (lambda s: s["shards"][0].update({"__9_0.distcp": {"size": 1, "items": []}}),
+     r"lists shard file __9_0\.distcp, which DCP's \.metadata does not name"),
+    (lambda s: s["shards"][0]["__0_0.distcp"]["items"].pop(), "an entry the save did not write"),
+])
+def test_edited_shard_checksums_are_refused(one_rank, edit, match):
+    path, _ = one_rank
+    doc = json.loads((path / "manifest.json").read_text())
+    edit(doc)
+    (path / "manifest.json").write_text(json.dumps(doc))
+    model, opt = _two_groups()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)

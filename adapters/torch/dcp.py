@@ -13,8 +13,9 @@ scheduler, state)`. The directory holds
 - `rank-{r:05d}-of-{n:05d}.mpk`, by rank r (`NamedMpkFileRecorder`, every dtype kept): the
   scheduler's state and the caller's state (counters, `TorchRngRecord`), each rank's own;
 - `manifest.json`, by rank 0, last: format `trainrec.dcp`, version, world size, the save's id
-  (which every part repeats), the part names, the parameters with a pending gradient and
-  whether the optimizer had state.
+  (which every part repeats), the part names, the parameters with a pending gradient,
+  whether the optimizer had state, and the CRC-32 of every entry DCP wrote (`shards`; DCP
+  keeps no checksums of its own).
 
 The commit is `DistributedRecorder`'s (`_Commit`, spec/PROTOCOLS.md, "Distributed
 records"): DCP and the parts are written into a temp directory next to `path`, and rank 0
@@ -22,8 +23,12 @@ renames it to `path` only when every rank's writes succeeded. `path` exists exac
 checkpoint is complete; a rank that fails or dies mid-save leaves earlier checkpoints as
 they were.
 
-A load is collective too (`dcp.load` plans with the other ranks). Model, optimizer and
-pending gradients are read by DCP into the live run's own sharding, so a checkpoint of n
+A load is collective too (`dcp.load` plans with the other ranks). Every rank checks what
+it can first, and the ranks agree; inside DCP's read each rank checks the CRC-32 of every
+entry it reads and the non-tensor entries (unpickled as plain values only), and the ranks
+agree again; only then does DCP read the tensors, in place, into the live state (as a
+plain `dcp.load` does), so a rejected load changes nothing on any rank. Model, optimizer
+and pending gradients are read into the live run's own sharding, so a checkpoint of n
 ranks loads into m ranks with every value unchanged (resharding). The scheduler is
 replicated (the same on every rank). The caller's state is each rank's own, and nothing maps
 n ranks' states onto m: at another world size `load` refuses unless `rank_state` says what
@@ -41,7 +46,10 @@ refused, saying how to accumulate instead.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import pickle
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +58,10 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -66,16 +76,16 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import Header, Item, path_arg
+from trainrec.adapter_kit import Header, Item, crc32, path_arg
 
 from .bindings import TorchLrScheduler
-from .distributed import _Commit, _rank_world, _safe_name, read_manifest
+from .distributed import _Commit, _rank_world, _safe_name, agree, read_manifest
 from .wrappers import is_dtensor, named_parameters
 
 __all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
 
 FORMAT = "trainrec.dcp"
-VERSION = (1, 0)
+VERSION = (2, 0)  # 2.0: every shard file's size and CRC-32 in the manifest
 MANIFEST = "manifest.json"
 DCP_DIR = "dcp"
 _PART = "trainrec.dcp.part"
@@ -162,6 +172,7 @@ class DCPRecorder:
         had_state = bool(optimizer.state)
         upload: Future[Any] | None = None
         failed: BaseException | None = None
+        writer = _Writer(commit.temp / DCP_DIR)
         try:
             msd, osd = _state_dicts(model, optimizer, params)
             part = {
@@ -182,10 +193,10 @@ class DCPRecorder:
                 # staged here: DCP's stager refuses FSDP2's parameter storages ("invalid
                 # python storage", torch 2.13), and a copy is what staging makes anyway
                 tree = _copy(tree)
-                upload = dcp_async_save(tree, checkpoint_id=commit.temp / DCP_DIR,  # type: ignore[assignment]
+                upload = dcp_async_save(tree, storage_writer=writer,  # type: ignore[assignment]
                                         process_group=self.group)  # a Future: no async_stager given
             else:
-                dcp_save(tree, checkpoint_id=commit.temp / DCP_DIR, process_group=self.group)
+                dcp_save(tree, storage_writer=writer, process_group=self.group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of
             failed = e  # it, then it is raised (DCP's CheckpointException is a BaseException)
         manifest = {
@@ -198,19 +209,22 @@ class DCPRecorder:
 
         def finish() -> Path:
             error = failed
-            if upload is not None:
+            shards: dict[str, Any] = {}
+            if error is None:
                 try:
-                    upload.result()
+                    if upload is not None:
+                        upload.result()
+                    shards = _checksums(commit.temp / DCP_DIR, writer.items)
                 except (Exception, CheckpointException) as e:  # noqa: BLE001
                     error = e
             if error is None:
-                commit.wrote(0)
+                commit.wrote(shards)
             elif isinstance(error, Exception):
                 commit.fail(error)
             else:
                 commit.fail(RecorderError(f"torch.distributed.checkpoint could not save: {error}",
                                           source=str(path)))
-            commit.finish(manifest)
+            commit.finish(manifest, "shards")  # each rank's shard files' sizes and CRC-32s
             return Path(path)
 
         if not async_save:
@@ -235,6 +249,45 @@ class DCPRecorder:
         gives every rank rank r's (its RNG too: the ranks then draw alike unless the caller
         reseeds). Everything is checked and read before the live objects change: a rejected
         load leaves them as they were."""
+        failure: Exception | None = None
+        try:
+            plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it before any reads
+            failure = e
+        # a rank that cannot load must not leave the others waiting in DCP's collectives
+        agree(failure, self.group, str(path))
+        reader = plan.reader
+        try:
+            dcp_load(plan.target, storage_reader=reader, planner=_Planner(),
+                     process_group=self.group)
+        except (Exception, CheckpointException) as e:  # the latter is a BaseException
+            if reader.error is not None:
+                raise reader.error from None  # a check refused it: nothing was read
+            if reader.reading:
+                raise RecorderError(
+                    "torch.distributed.checkpoint failed while reading the tensors, after every "
+                    f"check had passed (were the files changed during the load?): {e}. The "
+                    "model, optimizer and pending gradients may be partly restored: load again",
+                    source=str(plan.path)) from e
+            raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
+                                f"optimizer and pending gradients: {e}",
+                                source=str(plan.path)) from e
+        set_state_dict(model, optimizer, model_state_dict=plan.target["model"],
+                       optim_state_dict=plan.target["optim"])
+        if not plan.manifest["optimizer_state"]:
+            optimizer.state.clear()  # saved before its first step: no state, as then
+        for n, p in plan.params.items():
+            p.grad = plan.target["grads"].get(n)
+        if scheduler is not None and plan.scheduler is not None:
+            TorchLrScheduler(scheduler).load_record(plan.scheduler)
+        return DCPRestored(plan.state, plan.manifest["world_size"])
+
+    def _prepare(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, state_type: Any, rank_state: str | int) -> _Load:
+        """This rank's checks, before the ranks meet: the manifest, its part, the caller
+        state and scheduler rebuilt, DCP's metadata against the live shapes; and what DCP
+        reads into (the live tensors themselves: the state dicts hold them, and each
+        pending .grad, as a plain dcp.load does; `_Reader` reads only after its checks)."""
         path = path_arg(path)
         _check_objects(model, optimizer, scheduler)
         manifest = _read_manifest(path)
@@ -280,39 +333,46 @@ class DCPRecorder:
             device = _local_device(model)
             item = part["state"]
             try:
-                state = item if state_type is None else state_type.from_item(item, device)  # type: ignore[attr-defined]
+                state = item if state_type is None else state_type.from_item(item, device)
             except RecorderError:
                 raise
             except (TypeError, ValueError, KeyError) as e:
                 raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state",
                                          source=str(path)) from e
+        folder = path / manifest["dcp"]
+        sizes, crcs = _shards(manifest, path)
+        metadata = _checked_metadata(folder, sizes)
         msd, osd = _state_dicts(model, optimizer, params)
-        target = {"model": _empty(msd), "optim": _empty(osd),
-                  "grads": {n: torch.empty_like(params[n]) for n in manifest["grads"]},
-                  _META: ""}
-        _check_shapes(_checked_metadata(path / manifest["dcp"]), target, path)
-        try:
-            dcp_load(target, checkpoint_id=path / manifest["dcp"], process_group=self.group)
-        except (Exception, CheckpointException) as e:  # the latter is a BaseException
-            raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
-                                f"optimizer and pending gradients: {e}", source=str(path)) from e
-        _check_meta(target[_META], manifest, path)
-        saved_groups = json.loads(target[_META])["param_groups"]
-        if saved_groups != _groups(osd):
-            raise RecordMismatchError(
-                f"the optimizer's param groups differ: the checkpoint's hold {saved_groups}, "
-                f"the live optimizer's {_groups(osd)}; build the optimizer with the same param "
-                "groups as the run that saved it", key="optimizer.param_groups",
-                source=str(path))
-        set_state_dict(model, optimizer, model_state_dict=target["model"],
-                       optim_state_dict=target["optim"])
-        if not manifest["optimizer_state"]:
-            optimizer.state.clear()  # saved before its first step: no state, as then
-        for n, p in params.items():
-            p.grad = target["grads"].get(n)
-        if scheduler is not None and sched_record is not None:
-            TorchLrScheduler(scheduler).load_record(sched_record)
-        return DCPRestored(state, saved)
+        target = {"model": msd, "optim": osd, "grads": {n: _grad_target(params[n])
+                                                        for n in manifest["grads"]}, _META: ""}
+        _check_shapes(metadata, target, path)
+        live_groups = _groups(osd)
+
+        def check(loaded: dict[str, Any]) -> None:
+            _check_meta(loaded.get(_META), manifest, path)
+            saved_groups = json.loads(loaded[_META])["param_groups"]
+            if saved_groups != live_groups:
+                raise RecordMismatchError(
+                    f"the optimizer's param groups differ: the checkpoint's hold {saved_groups}, "
+                    f"the live optimizer's {live_groups}; build the optimizer with the same "
+                    "param groups as the run that saved it", key="optimizer.param_groups",
+                    source=str(path))
+
+        return _Load(path, manifest, params, target, state, sched_record,
+                     _Reader(folder, metadata, crcs, self.group, check))
+
+
+@dataclass
+class _Load:
+    """What `DCPRecorder._prepare` found and made, for `load`."""
+
+    path: Path
+    manifest: dict[str, Any]
+    params: dict[str, Any]
+    target: dict[str, Any]
+    state: Any
+    scheduler: StateRecord | None
+    reader: _Reader
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -431,17 +491,236 @@ def _copy(tree: Any) -> Any:
     return tree
 
 
-def _empty(tree: Any) -> Any:
-    """The state dict with every tensor a new one of its kind (dtype, shape, sharding; its
-    values unset): DCP loads into it, the live objects stay as they are until all was read
-    (DCP refuses a checkpoint that lacks any of its keys, so none stays unset)."""
-    if isinstance(tree, torch.Tensor):
-        return torch.empty_like(tree)
-    if isinstance(tree, dict):
-        return {k: _empty(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_empty(v) for v in tree]
-    return tree
+def _grad_target(param: Any) -> Any:
+    """What DCP reads a pending gradient into: the live `.grad` itself when it has the
+    parameter's kind (DTensor or not), dtype and shape, else a new tensor like the parameter."""
+    grad = param.grad
+    if (grad is not None and type(grad) is type(param.data) and grad.dtype == param.dtype
+            and grad.shape == param.shape):
+        return grad
+    return torch.empty_like(param)
+
+
+# -- checksums and safe reading ------------------------------------------------------------
+
+_CHUNK = 8 << 20
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, remembering where it wrote each entry (file, offset, length):
+    their checksums go into the manifest."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(str(folder))
+        self.items: list[tuple[str, int, int]] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        done = super().write_data(plan, planner)
+        done.wait()  # FileSystemWriter writes before it returns; this raises what failed
+        self.items = sorted({(str(r.storage_data.relative_path), int(r.storage_data.offset),
+                              int(r.storage_data.length)) for r in done.value()})
+        return done
+
+
+def _range_crc(f: Any, offset: int, length: int, buffer: memoryview) -> int:
+    """CRC-32 of `length` bytes of the open file `f` from `offset`, read through `buffer`
+    (`CorruptRecordError` when the file ends before)."""
+    f.seek(offset)
+    crc, left = 0, length
+    while left:
+        n = f.readinto(buffer[:min(left, len(buffer))])
+        if not n:
+            raise CorruptRecordError(f"ends {left} bytes before the entry at offset {offset} "
+                                     f"of {length} bytes", source=str(f.name))
+        crc = crc32(buffer[:n], crc)
+        left -= n
+    return crc
+
+
+def _checksums(folder: Path, items: Iterable[tuple[str, int, int]]) -> dict[str, Any]:
+    """{file: {"size": bytes, "items": [[offset, length, CRC-32], ...]}} of the entries
+    `items` (file, offset, length) this rank wrote into `folder`."""
+    buffer = memoryview(bytearray(_CHUNK))
+    out: dict[str, Any] = {}
+    for name, offset, length in sorted(set(items)):
+        with open(folder / name, "rb", buffering=0) as f:
+            crc = _range_crc(f, offset, length, buffer)
+        entry = out.setdefault(name, {"size": (folder / name).stat().st_size, "items": []})
+        entry["items"].append([offset, length, crc])
+    return out
+
+
+def _check_checksums(folder: Path, items: Iterable[tuple[str, int, int]],
+                     shards: dict[str, dict[tuple[int, int], int]]) -> None:
+    """`CorruptRecordError` for the first entry of `items` (file, offset, length) whose
+    bytes are not those the save wrote (the manifest's CRC-32 of that entry)."""
+    buffer = memoryview(bytearray(_CHUNK))
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name, offset, length in set(items):
+        by_file.setdefault(name, []).append((offset, length))
+    for name in sorted(by_file):
+        try:
+            with open(folder / name, "rb", buffering=0) as f:
+                for offset, length in sorted(by_file[name]):
+                    want = shards.get(name, {}).get((offset, length))
+                    if want is None:
+                        raise CorruptRecordError(
+                            f"DCP's .metadata points to {length} bytes at offset {offset} of "
+                            f"shard file {name}, an entry the save did not write",
+                            source=str(folder / name))
+                    crc = _range_crc(f, offset, length, buffer)
+                    if crc != want:
+                        raise CorruptRecordError(
+                            f"shard file {name} is damaged: the {length} bytes at offset "
+                            f"{offset} have CRC-32 {crc:08x}, the save wrote {want:08x}",
+                            source=str(folder / name))
+        except OSError as e:
+            raise CorruptRecordError(f"shard file {name} is unreadable: {e}",
+                                     source=str(folder / name)) from e
+
+
+def _shards(manifest: dict[str, Any], path: Path) -> tuple[dict[str, int], dict[str, dict[tuple[int, int], int]]]:
+    """The manifest's per-rank shard checksums as ({file: size}, {file: {(offset, length):
+    CRC-32}}), each file named by one rank only."""
+    sizes: dict[str, int] = {}
+    crcs: dict[str, dict[tuple[int, int], int]] = {}
+    for part in manifest["shards"]:
+        for name, entry in part.items():
+            if name in sizes:
+                raise CorruptRecordError(f"{MANIFEST} lists shard file {name} twice",
+                                         source=str(path), key="shards")
+            sizes[name] = entry["size"]
+            crcs[name] = {(o, n): c for o, n, c in entry["items"]}
+    return sizes, crcs
+
+
+def _well_formed_shards(doc: dict[str, Any]) -> bool:
+    shards = doc.get("shards")
+    return isinstance(shards, list) and len(shards) == doc.get("world_size") and all(
+        isinstance(part, dict) and all(
+            isinstance(name, str) and _safe_name(name) and isinstance(entry, dict)
+            and set(entry) == {"size", "items"} and type(entry["size"]) is int
+            and isinstance(entry["items"], list) and all(
+                isinstance(i, list) and len(i) == 3 and all(type(v) is int and v >= 0 for v in i)
+                for i in entry["items"])
+            for name, entry in part.items())
+        for part in shards)
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, in two passes, so that a rejected load changes nothing live.
+
+    First every entry this rank reads is checked against the CRC-32 the save recorded of
+    its bytes, the non-tensor entries are read (into the target tree, not the live objects)
+    and `check`ed, and the ranks tell each other how that went. Only when every rank is
+    content are the tensors read, into the live state. `error` keeps what refused the load
+    (DCP wraps it in a `CheckpointException`); `reading` says the second pass began."""
+
+    def __init__(self, folder: Path, metadata: Any, shards: dict[str, dict[tuple[int, int], int]],
+                 group: Any, check: Callable[[dict[str, Any]], None]) -> None:
+        super().__init__(str(folder))
+        self.folder, self.metadata, self.shards = folder, metadata, shards
+        self.group, self.check = group, check
+        self.error: Exception | None = None
+        self.reading = False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        return self.metadata  # read once, without unpickling anything but DCP's metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        items: list[ReadItem] = list(plan.items)
+        raw = [i for i in items if i.type == LoadItemType.BYTE_IO]
+        error: Exception | None = None
+        try:
+            where = [self.storage_data[i.storage_index] for i in items]
+            _check_checksums(self.folder, {(str(w.relative_path), int(w.offset), int(w.length))
+                                           for w in where}, self.shards)
+            super().read_data(dataclasses.replace(plan, items=raw), planner).wait()
+            self.check(planner.loaded if isinstance(planner, _Planner) else {})
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
+            error = e
+        try:
+            agree(error, self.group, str(self.folder.parent))
+        except Exception as e:
+            self.error = e
+            raise
+        self.reading = True
+        return super().read_data(
+            dataclasses.replace(plan, items=[i for i in items if i.type != LoadItemType.BYTE_IO]),
+            planner)
+
+
+class _Planner(DefaultLoadPlanner):
+    """DCP's default load planner, unpickling the non-tensor entries with
+    `torch.load(weights_only=True)` (DCP's own uses `weights_only=False`, which runs
+    whatever a hostile file holds) and keeping them by name for `_Reader`'s check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict[str, Any] = {}
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        name = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - the unpickler raises anything
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CorruptRecordError(f"the DCP entry {name!r} holds something other than plain "
+                                     f"values, refused unread ({reason})", key=name) from e
+        self.loaded[name] = obj
+        safe = io.BytesIO()
+        torch.save(obj, safe)  # DCP unpickles this, made from the checked value
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "StorageMeta",
+        "TensorStorageMetadata", "TensorProperties", "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+"""What DCP's pickled `.metadata` holds (checked on torch 2.6 to 2.13): its dataclasses, a
+layout, `torch.Size`, dtypes and the checkpoint's path. Nothing else is unpickled."""
+
+
+class _ForbiddenError(Exception):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _ForbiddenError(f"{module}.{name}")
+
+
+def _read_metadata(folder: Path) -> Any:
+    """DCP's `.metadata` of `folder`, unpickled with only DCP's own classes allowed (DCP
+    itself uses `pickle.load`, which runs whatever a hostile file holds)."""
+    file = folder / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _ForbiddenError as e:
+        raise CorruptRecordError(f"DCP's .metadata names {e}, which DCP's metadata never holds: "
+                                 "refused without unpickling it (it could run code)",
+                                 source=str(file)) from None
+    except Exception as e:  # noqa: BLE001 - unpickling raises anything
+        raise CorruptRecordError(f"DCP's .metadata is unreadable: {type(e).__name__}: {e}",
+                                 source=str(file)) from e
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise CorruptRecordError("DCP's .metadata does not hold a DCP Metadata",
+                                 source=str(file))
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
 
 
 def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
@@ -449,16 +728,18 @@ def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
     `trainrec.read_file`), in one process without a process group: the manifest, every
     rank's part (scheduler and caller state; their checksums checked), and what DCP's
     `.metadata` says of each entry (dtype and shape, not the values: loading them needs
-    `DCPRecorder().load`), after checking that every shard file it names exists and holds
-    the bytes it points to (a truncated or missing shard file is refused; DCP keeps no
-    checksums, so a changed byte is not found)."""
+    `DCPRecorder().load`), after checking every shard file against the size and CRC-32 the
+    save recorded in the manifest (a missing, truncated or changed shard file is refused)."""
     del mmap
     path = Path(path)
     manifest = _read_manifest(path)
     parts = [_read_part(path, manifest, r) for r in range(manifest["world_size"])]
     header = dataclasses.replace(trainrec.read_file(path / manifest["parts"][0])[0],
                                  format=FORMAT, version=VERSION, record_type="TrainingRecord")
-    metadata = _checked_metadata(path / manifest["dcp"])
+    sizes, crcs = _shards(manifest, path)
+    metadata = _checked_metadata(path / manifest["dcp"], sizes)
+    _check_checksums(path / manifest["dcp"], {(str(w.relative_path), int(w.offset), int(w.length))
+                                              for w in metadata.storage_data.values()}, crcs)
     entries: dict[str, Item] = {}
     for key, meta in sorted(metadata.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):
@@ -475,21 +756,21 @@ def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
     return header, item
 
 
-def _checked_metadata(folder: Path) -> Any:
-    """DCP's `.metadata` of `folder`, after checking that every shard file it names exists
-    and holds the bytes it points to (`CorruptRecordError`)."""
-    try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - DCP's unpickling raises anything
-        raise CorruptRecordError(f"DCP's .metadata is unreadable: {type(e).__name__}: {e}",
-                                 source=str(folder)) from e
+def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
+    """DCP's `.metadata` of `folder`, after checking that every shard file it names exists,
+    holds the bytes it points to and is one the manifest has the checksum of, of that size,
+    and the reverse (`CorruptRecordError`). The bytes themselves are checked as they are read."""
+    metadata = _read_metadata(folder)
     ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = str(info.relative_path)
-        if not _safe_name(name):
-            raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
-                                     "the checkpoint", source=str(folder))
-        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    try:
+        for info in (metadata.storage_data or {}).values():
+            name = str(info.relative_path)
+            if not _safe_name(name):
+                raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
+                                         "the checkpoint", source=str(folder))
+            ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CorruptRecordError(f"DCP's .metadata is malformed: {e}", source=str(folder)) from e
     for name, end in sorted(ends.items()):
         size = (folder / name).stat().st_size if (folder / name).is_file() else None
         if size is None or size < end:
@@ -497,6 +778,16 @@ def _checked_metadata(folder: Path) -> Any:
                 f"shard file {name} " + ("is missing" if size is None else
                                          f"holds {size} bytes, DCP's .metadata points to {end}"),
                 source=str(folder / name))
+        if name not in sizes:
+            raise CorruptRecordError(f"shard file {name} has no checksum in {MANIFEST}",
+                                     source=str(folder / name))
+        if size != sizes[name]:
+            raise CorruptRecordError(f"shard file {name} holds {size} bytes, the save wrote "
+                                     f"{sizes[name]}", source=str(folder / name))
+    unread = sorted(set(sizes) - set(ends))
+    if unread:
+        raise CorruptRecordError(f"{MANIFEST} lists shard file {unread[0]}, which DCP's "
+                                 ".metadata does not name", source=str(folder))
     return metadata
 
 
@@ -530,6 +821,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         "dcp": isinstance(doc.get("dcp"), str) and _safe_name(doc["dcp"]),
         "grads": isinstance(doc.get("grads"), list) and all(isinstance(g, str) for g in doc["grads"]),
         "optimizer_state": isinstance(doc.get("optimizer_state"), bool),
+        "shards": _well_formed_shards(doc),
     })
     if not (path / doc["dcp"] / ".metadata").is_file():
         raise CorruptRecordError("the DCP checkpoint's .metadata is missing",

@@ -202,21 +202,12 @@ class DistributedRecorder(RecorderBase):
         at its next collective for one that could not."""
         if rank is not None or _rank_world(self.group)[1] == 1:
             return self._read(args, mmap, rank)
-        failure: BaseException | None = None
+        failure: Exception | None = None
         try:
             out: tuple[Header, Item] | None = self._read(args, mmap, None)
         except Exception as e:  # every rank learns of it before any restores
             failure, out = e, None
-        outcomes: list[Any] = [None] * _rank_world(self.group)[1]
-        dist.all_gather_object(outcomes, None if failure is None else f"{type(failure).__name__}: {failure}",
-                               group=self.group)
-        if failure is not None:
-            raise failure
-        failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
-        if failed:
-            r, msg = failed[0]
-            raise RecorderError(f"rank {r} could not load its part of the checkpoint ({msg}); no "
-                                "rank restores from it", source=str(path_arg(args)))
+        agree(failure, self.group, str(path_arg(args)))
         assert out is not None
         return out
 
@@ -410,16 +401,18 @@ class _Commit:
         self.temp = self.path.parent / f".{self.path.name}.{self.token}{_TEMP_SUFFIX}"
         return payload
 
-    def wrote(self, overrides: int) -> None:
-        self._outcome = ("ok", overrides)
+    def wrote(self, value: Any) -> None:
+        """This rank's part is durable; `value` goes into the manifest (see `finish`)."""
+        self._outcome = ("ok", value)
 
     def fail(self, error: Exception) -> None:
         self._error = error
         self._outcome = ("error", f"{type(error).__name__}: {error}")
 
-    def finish(self, manifest: dict[str, Any]) -> None:
-        """Meet every rank; rank 0 commits when all parts are durable. Raises on every rank
-        when any rank failed (on that rank, its own error)."""
+    def finish(self, manifest: dict[str, Any], gathered: str = "overrides") -> None:
+        """Meet every rank; rank 0 commits when all parts are durable, with every rank's
+        `wrote` value, in rank order, under the manifest's key `gathered`. Raises on every
+        rank when any rank failed (on that rank, its own error)."""
         outcomes: list[Any] = [None] * self.world
         _collective(lambda: _all_gather(outcomes, self._outcome, self.group), self.path,
                     "waiting for every rank's part", self._abandon)
@@ -429,7 +422,7 @@ class _Commit:
         if self.rank == 0:
             if not failed:
                 try:
-                    manifest["overrides"] = [o[1] for o in outcomes]
+                    manifest[gathered] = [o[1] for o in outcomes]
                     self._commit(manifest)
                 except Exception as e:  # noqa: BLE001 - the other ranks wait for the word
                     result = [("error", f"rank 0 could not commit: {type(e).__name__}: {e}; "
@@ -562,6 +555,25 @@ def _all_gather(out: list[Any], value: Any, group: Any) -> None:
         dist.all_gather_object(out, value, group=group)
     else:
         out[0] = value
+
+
+def agree(failure: Exception | None, group: Any, source: str) -> None:
+    """Collective, for loads: every rank tells the others whether its part went well. Raises
+    this rank's own `failure`, else `RecorderError` naming the first rank that failed and
+    its error, so that no rank restores while another cannot (and then waits for it at its
+    next collective until the group's timeout)."""
+    world = _rank_world(group)[1]
+    outcomes: list[Any] = [None] * world
+    if world > 1:
+        _all_gather(outcomes, None if failure is None else f"{type(failure).__name__}: {failure}",
+                    group)
+    if failure is not None:
+        raise failure
+    failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+    if failed:
+        r, msg = failed[0]
+        raise RecorderError(f"rank {r} could not load its part of the checkpoint ({msg}); no "
+                            "rank restores from it", source=source)
 
 
 _NOT_COMMITTED = "nothing was committed, and earlier checkpoints are untouched"
