@@ -57,10 +57,6 @@ def record_name(record_type: type[Any]) -> str:
 
 
 
-_RESERVE_FROM_BYTES = 16 << 20
-"""Saves from this size on reserve their disk blocks first (`fallocate`), so a full disk
-fails the save before it writes; smaller ones do not: the reservation and the truncate
-that frees its unused rest cost about as much as writing a few MB (measured on ext4)."""
 
 class RecorderBase:
     """Base of trainrec's recorders (adapters' too): `record` / `load` / `load_item` in
@@ -151,9 +147,10 @@ class NamedMpkFileRecorder(RecorderBase):
 
         path = path_arg(args)
         check_item(item)  # bounds the walk below: a malformed item is refused before any file
+        # every save reserves its blocks first (`fallocate`): a full disk fails it before it
+        # writes, and replacing an older file skips ext4's flush at rename (auto_da_alloc),
+        # which made a 2 MB save 1.5 ms slower than with the reservation (measured)
         size = document_size_estimate(item, self._settings)
-        if size < _RESERVE_FROM_BYTES:
-            size = 0  # no reservation
         with atomic_write(path, durable=self._durable, size_hint=size) as f:
             write_document(f, item, self._settings, record_type, allow_lossy=allow_lossy,
                            recorder=self.native_name())

@@ -61,9 +61,11 @@ def test_converted_and_empty_tensors_keep_their_dtype_and_shape():
         assert back[k].bitwise_equal(t), k
 
 
-def test_small_saves_skip_the_disk_reservation_and_large_ones_make_it(tmp_path, monkeypatch):
-    """Below 16 MiB a save neither reserves blocks nor truncates them away (they cost as
-    much as the writes); from 16 MiB on it reserves about its size first."""
+def test_every_save_reserves_about_its_size_first_and_frees_the_rest(tmp_path, monkeypatch):
+    """Small saves reserved nothing (the reservation was thought to cost as much as the
+    writes); measured on ext4, replacing an older file without one costs a flush at the
+    rename (auto_da_alloc): a 2 MB save took 1.5 ms with, 0.5 ms without. Now every save
+    reserves about its size, and the file ends at its document (the rest is freed)."""
     from trainrec import NamedMpkFileRecorder, _atomic
 
     calls: list[int] = []
@@ -75,13 +77,16 @@ def test_small_saves_skip_the_disk_reservation_and_large_ones_make_it(tmp_path, 
     monkeypatch.setattr(_atomic, "_fallocate", lambda fd, mode, off, n: calls.append(n) or real(fd, mode, off, n))
     rng = np.random.default_rng(0)
     small = {f"t{i}": TensorData.from_array(rng.standard_normal(5000).astype(np.float32)) for i in range(100)}
-    path = NamedMpkFileRecorder(durable=False).save_item(small, tmp_path / "s.mpk")
-    assert calls == []
+    for _ in range(2):  # the second replaces the first
+        path = NamedMpkFileRecorder(durable=False).save_item(small, tmp_path / "s.mpk")
+        assert path.stat().st_size <= calls[-1] <= path.stat().st_size * 1.01
+        assert path.stat().st_blocks * 512 < path.stat().st_size + 64 * 1024  # the rest freed
+    assert len(calls) == 2
     _, back = NamedMpkFileRecorder().read(path)
     assert all(back[k].bitwise_equal(t) and back[k].dtype == t.dtype for k, t in small.items())
     large = {"w": TensorData.from_array(np.ones((5, 1 << 20), np.float32)), "step": 7}
     path = NamedMpkFileRecorder(durable=False).save_item(large, tmp_path / "l.mpk")
-    assert len(calls) == 1 and path.stat().st_size <= calls[0] <= path.stat().st_size + 1024
+    assert len(calls) == 3 and path.stat().st_size <= calls[-1] <= path.stat().st_size + 1024
     _, back = NamedMpkFileRecorder().read(path)
     assert back["w"].bitwise_equal(large["w"]) and back["step"] == 7
 
