@@ -149,6 +149,86 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(run
         TrainingRecord.load(trt.DistributedRecorder(), ckpt / f"step-{B:08d}", rank=rank)
 
 
+@pytest.fixture(scope="module")
+def timeout_runs(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("ddp-timeout")
+    (out / "timeout").mkdir()
+    _phase(out, ["timeout"])
+    return out
+
+
+def _outcome(out: Path, case: str, rank: int) -> dict:
+    import json
+
+    return json.loads((out / f"timeout-{case}-{rank}.json").read_text())
+
+
+def test_with_a_timeout_every_rank_saves_and_loads_back_as_before(timeout_runs):
+    for rank in range(2):
+        assert _outcome(timeout_runs, "save", rank)["error"] is None
+        assert _outcome(timeout_runs, "reload", rank)["error"] is None
+        saved, loaded = (_item(timeout_runs / f"timeout-{w}-{rank}.mpk") for w in ("saved", "loaded"))
+        assert same(saved, loaded), rank
+
+
+@pytest.mark.parametrize(("case", "rank", "missing", "what"), [
+    ("only0", 0, 1, "save"), ("only1", 1, 0, "save"), ("load1", 1, 0, "load")])
+def test_a_save_or_load_called_on_one_rank_fails_within_the_timeout(timeout_runs, case, rank, missing, what):
+    """Rank `rank` alone calls it (rank 0 under `if rank == 0:`, say): with timeout=2 it
+    raises in seconds, not at the group's timeout, naming the rank that did not join,
+    having written (no temp directory) and loaded nothing."""
+    got = _outcome(timeout_runs, case, rank)
+    assert got["error"] == "RecorderError" and got["seconds"] < 20, got
+    assert got["message"].startswith(f"rank(s) {missing} of the process group did not join "
+                                     f"DistributedRecorder.{what} within 2 s"), got
+    assert "must be called on every rank" in got["message"] and "restart the run" in got["message"]
+    assert got["unchanged"]
+    if what == "load":  # the check can fail: a load on every rank changes the live model
+        assert not _outcome(timeout_runs, "reload", rank)["unchanged"]
+    assert not (timeout_runs / f"timeout-{case}-{missing}.json").exists()  # it never called
+    ckpt = timeout_runs / "timeout"
+    assert os.listdir(ckpt) == ["step-1"]  # no step-2 or step-3, no temp directory
+    for r in range(2):  # the earlier checkpoint is intact
+        TrainingRecord.load(trt.DistributedRecorder(), ckpt / "step-1", rank=r)
+
+
+def test_a_rank_that_comes_after_the_others_gave_up_fails_at_once(timeout_runs):
+    got = _outcome(timeout_runs, "late0", 0)
+    assert got["error"] == "RecorderError" and got["seconds"] < 1, got
+    assert got["message"].startswith("this rank (rank 0) joined DistributedRecorder.save more "
+                                     "than 2 s after the rank(s) waiting for it, which gave up"), got
+
+
+@pytest.mark.parametrize(("timeout", "error", "match"), [
+    (-1, ValueError, "positive and finite, got -1"),
+    (0, ValueError, "positive and finite"),
+    (float("nan"), ValueError, "positive and finite, got nan"),
+    (float("inf"), ValueError, "positive and finite"),
+    (__import__("datetime").timedelta(0), ValueError, "positive and finite"),
+    (True, TypeError, "got bool"),
+    ("2", TypeError, "seconds or a datetime.timedelta.*got str"),
+])
+@pytest.mark.parametrize("recorder", ["DistributedRecorder", "DCPRecorder"])
+def test_a_bad_timeout_is_refused(recorder, timeout, error, match):
+    with pytest.raises(error, match=match):
+        getattr(trt, recorder)(timeout=timeout)
+
+
+def test_a_timeout_is_seconds_or_a_timedelta_and_one_rank_needs_no_meeting(tmp_path):
+    import datetime
+
+    assert trt.DistributedRecorder(timeout=datetime.timedelta(minutes=1)).timeout == 60.0
+    assert trt.DCPRecorder(timeout=np.float32(1.5)).timeout == 1.5
+    assert trt.DistributedRecorder().timeout is None and repr(trt.DCPRecorder(timeout=2)) == "DCPRecorder(timeout=2)"
+    record = TrainingRecord.capture(*_training())
+    path = record.save(trt.DistributedRecorder(timeout=0.01), tmp_path / "step-1")
+    loaded = TrainingRecord.load(trt.DistributedRecorder(timeout=0.01), path, state_type=State)
+    native = trainrec.NativePrecisionSettings()
+    assert same(loaded.into_item(native), record.into_item(native))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_ranks_on_gpus_resume_bitwise_from_mid_window(tmp_path):
