@@ -196,6 +196,10 @@ def timeout_cases(model, opt, sched, acc, state, rank: int, out: Path) -> None:
     rec = recorder()
     attempt("save", lambda: saved.save(rec, folder / "step-1"))
     back = TrainingRecord.load(rec, folder / "step-1", device(rank), state_type=State)
+    store = rec.group.get_group_store()  # the save's meeting keys went once the load's met
+    meetings = {f"{n}/DistributedRecorder.{what}/{k}": store.check([f"trainrec/meeting/{n}/DistributedRecorder.{what}/{k}"])
+                for n, what in ((0, "save"), (1, "load")) for k in ("outcome", "arrived", f"rank/{rank}")}
+    (out / f"timeout-keys-{rank}.json").write_text(json.dumps(meetings))
     native = NamedMpkFileRecorder(NativePrecisionSettings())
     saved.save(native, out / f"timeout-saved-{rank}.mpk")
     back.save(native, out / f"timeout-loaded-{rank}.mpk")

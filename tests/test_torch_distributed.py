@@ -166,11 +166,18 @@ def _outcome(out: Path, case: str, rank: int) -> dict:
 
 
 def test_with_a_timeout_every_rank_saves_and_loads_back_as_before(timeout_runs):
+    import json
+
     for rank in range(2):
         assert _outcome(timeout_runs, "save", rank)["error"] is None
         assert _outcome(timeout_runs, "reload", rank)["error"] is None
         saved, loaded = (_item(timeout_runs / f"timeout-{w}-{rank}.mpk") for w in ("saved", "loaded"))
         assert same(saved, loaded), rank
+    # the store keeps no meeting but the last: each goes once the next one succeeded
+    keys = [json.loads((timeout_runs / f"timeout-keys-{r}.json").read_text()) for r in range(2)]
+    for r in range(2):
+        assert not any(v for k, v in keys[r].items() if k.startswith("0/")), keys
+        assert all(keys[r][f"1/DistributedRecorder.load/{k}"] for k in ("outcome", "arrived", f"rank/{r}")), keys
 
 
 @pytest.mark.parametrize(("case", "rank", "missing", "what"), [

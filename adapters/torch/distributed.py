@@ -26,6 +26,11 @@ when a peer's connection drops, or at the process group's timeout) and rank 0 re
 temp directory; one a killed rank 0 leaves is removed by a later save into the same
 folder, once its lock is free.
 
+With `timeout=t`, every save and collective load starts with the ranks meeting in the
+process group's store (`meet`): a rank that has not come within t seconds (a `save` called
+under `if rank == 0:`) fails the others before anything is written or read, instead of at
+the group's timeout in their first collective.
+
 A load reads `replicated` and this rank's part, and refuses another world size: pending
 gradients and caller state are per rank, and no rule maps them onto another number of
 ranks. `read(path, rank=r)` reads rank r's view in any process (inspection, tools).
@@ -615,9 +620,9 @@ def meet(group: Any, timeout: float | None, what: str, path: Path) -> None:
     (the store's compare-and-set decides it once), so either all that arrived go on or all
     raise; one arriving after the others gave up raises at once.
 
-    The ranks number their meetings on a group alike when every rank makes the same calls;
-    each meeting's keys go when the next one starts (every rank has left it by then: the
-    save or load between needed them all)."""
+    The ranks number their meetings on a group alike when every rank makes the same calls
+    (after a failed one they are out of step, and every later one fails too); a meeting's
+    keys are removed once the next one succeeded (every rank has left it by then)."""
     if timeout is None:
         return
     rank, world = _rank_world(group)
@@ -642,25 +647,25 @@ def meet(group: Any, timeout: float | None, what: str, path: Path) -> None:
             missing = [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
             outcome = store.compare_set(  # none missing: the last one is between its set and add
                 outcome_key, "", "missing:" + ",".join(map(str, missing)) if missing else "go")
-        _forget_meeting(store, _previous.pop(name, None), rank)
+        outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        if outcome == "go":  # every rank came here, so every rank has left the last meeting
+            _forget_meeting(store, _previous.pop(name, None), rank)
+            _previous[name] = key
+            return
     except RuntimeError as e:  # the store is gone (its host, rank 0, died) or refuses
         raise RecorderError(f"the ranks could not meet before {what} in the process group's "
                             f"store: {e}", source=str(path)) from e
-    outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
-    if outcome == "go":
-        _previous[name] = key
-        return
     missing = [int(r) for r in outcome.removeprefix("missing:").split(",") if r]
     done = ("nothing was written, and earlier checkpoints are untouched" if what.endswith("save")
             else "nothing was loaded: the live objects are unchanged")
     if rank in missing:
-        late = (f"this rank (rank {rank}) joined {what} more than {timeout:g} s after the "
-                f"rank(s) waiting for it, which gave up")
+        happened = (f"this rank (rank {rank}) joined {what} more than {timeout:g} s after the "
+                    "rank(s) waiting for it, which gave up")
     else:
-        late = (f"rank(s) {', '.join(map(str, missing))} of the process group did not join "
-                f"{what} within {timeout:g} s")
+        happened = (f"rank(s) {', '.join(map(str, missing))} of the process group did not "
+                    f"join {what} within {timeout:g} s")
     raise RecorderError(
-        f"{late}: {what} is collective and must be called on every rank of the group (not "
+        f"{happened}: {what} is collective and must be called on every rank of the group (not "
         f"under `if rank == 0:`); {done}. The ranks are out of step now, and the process "
         "group may be unusable: restart the run", source=str(path))
 
