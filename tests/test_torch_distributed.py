@@ -208,6 +208,67 @@ def test_a_rank_that_comes_after_the_others_gave_up_fails_at_once(timeout_runs):
                                      "than 2 s after the rank(s) waiting for it, which gave up"), got
 
 
+class _FakeRank:
+    """One rank of a group of `world`, for `meet` in threads of this process: its own group
+    name (the process's meeting count is per name) over one shared store."""
+
+    def __init__(self, store, rank: int, world: int, tag: str) -> None:
+        self.store, self.rank, self.world, self.group_name = store, rank, world, f"{tag}-{rank}"
+
+    def get_group_store(self):
+        return self.store
+
+
+def _meet_in_threads(monkeypatch, ranks, world: int, store=None, timeout: float = 0.3):
+    """Run `meet` on `ranks` (of `world`) at once, in threads: {rank: None or the error}."""
+    import threading
+    import uuid
+
+    from trainrec.adapters.torch import distributed
+
+    monkeypatch.setattr(distributed, "_rank_world", lambda g: (g.rank, g.world))
+    store = dist.HashStore() if store is None else store
+    tag = uuid.uuid4().hex
+    got: dict = {}
+
+    def one(rank: int) -> None:
+        try:
+            distributed.meet(_FakeRank(store, rank, world, tag), timeout, "DCPRecorder.save", Path("ck"))
+            got[rank] = None
+        except RecorderError as e:
+            got[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == len(ranks), "a meeting did not end"
+    return got
+
+
+def test_the_ranks_that_came_all_name_every_rank_that_did_not(monkeypatch):
+    """3 ranks, rank 1 missing: rank 0 and rank 2 both raise naming rank 1 (whichever
+    timed out first decided, the other read its outcome); all 3 meet fine."""
+    got = _meet_in_threads(monkeypatch, [0, 2], 3)
+    for rank in (0, 2):
+        assert str(got[rank]).startswith("rank(s) 1 of the process group did not join "
+                                         "DCPRecorder.save within 0.3 s"), got
+    got = _meet_in_threads(monkeypatch, [0, 2], 4)
+    assert all(str(e).startswith("rank(s) 1, 3 of the process group") for e in got.values()), got
+    assert _meet_in_threads(monkeypatch, [0, 1, 2], 3) == {0: None, 1: None, 2: None}
+
+
+def test_a_store_that_fails_is_a_recorder_error(monkeypatch):
+    class Gone:
+        def set(self, *args):
+            raise RuntimeError("Connection reset by peer")
+
+    got = _meet_in_threads(monkeypatch, [0], 2, Gone())
+    assert isinstance(got[0], RecorderError)
+    assert "could not meet before DCPRecorder.save in the process group's store: Connection reset" in str(got[0])
+
+
 @pytest.mark.parametrize(("timeout", "error", "match"), [
     (-1, ValueError, "positive and finite, got -1"),
     (0, ValueError, "positive and finite"),
