@@ -230,8 +230,10 @@ def _meet_in_threads(monkeypatch, ranks, world: int, store=None, timeout: float 
     store = dist.HashStore() if store is None else store
     tag = uuid.uuid4().hex
     got: dict = {}
+    start = threading.Barrier(len(ranks))
 
     def one(rank: int) -> None:
+        start.wait(10)
         try:
             distributed.meet(_FakeRank(store, rank, world, tag), timeout, "DCPRecorder.save", Path("ck"))
             got[rank] = None
@@ -256,7 +258,7 @@ def test_the_ranks_that_came_all_name_every_rank_that_did_not(monkeypatch):
                                          "DCPRecorder.save within 0.3 s"), got
     got = _meet_in_threads(monkeypatch, [0, 2], 4)
     assert all(str(e).startswith("rank(s) 1, 3 of the process group") for e in got.values()), got
-    assert _meet_in_threads(monkeypatch, [0, 1, 2], 3) == {0: None, 1: None, 2: None}
+    assert _meet_in_threads(monkeypatch, [0, 1, 2], 3, timeout=5) == {0: None, 1: None, 2: None}
 
 
 def test_a_store_that_fails_is_a_recorder_error(monkeypatch):
