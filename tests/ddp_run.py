@@ -20,6 +20,13 @@ MODE:
   OUT/resumed-S-RANK.mpk.
 - `load-damaged`: load OUT/damaged (rank 1's part truncated) and write what each rank
   got to OUT/load-damaged-RANK.txt.
+- `timeout`: `DistributedRecorder(timeout=2)` on a new group per case, into OUT/timeout:
+  every rank saves step-1 and loads it back (both written to
+  OUT/timeout-{saved,loaded}-RANK.mpk); then rank 0 alone saves (`only0`), rank 1
+  alone saves (`only1`) and after it gave up rank 0 saves too, late (`late0`), and rank 1
+  alone loads (`load1`), then every rank does (`reload`). Each outcome goes to
+  OUT/timeout-CASE-RANK.json (the error's type and message, the seconds it took, whether
+  the live model stayed as it was).
 
 With DDP_RUN_DEVICE=cuda the ranks run NCCL, one GPU each (the `cuda` test); a world of
 one rank has nobody to kill, so its last save just commits.
@@ -156,9 +163,66 @@ def main() -> None:
         except trainrec.RecorderError as e:
             result = f"{type(e).__name__}: {e}"
         (out / f"load-damaged-{rank}.txt").write_text(result)
+    elif mode == "timeout":
+        timeout_cases(model, opt, sched, acc, state, rank, out)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     dist.destroy_process_group()
+
+
+def timeout_cases(model, opt, sched, acc, state, rank: int, out: Path) -> None:
+    import json
+    import time
+
+    folder = out / "timeout"
+    train(model, opt, sched, acc, state, A)
+
+    def attempt(case: str, call) -> None:
+        before = [t.clone() for t in model.state_dict().values()]
+        start = time.monotonic()
+        try:
+            call()
+            result = {"error": None}
+        except trainrec.RecorderError as e:
+            result = {"error": type(e).__name__, "message": str(e)}
+        result["seconds"] = time.monotonic() - start
+        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+        (out / f"timeout-{case}-{rank}.json").write_text(json.dumps(result))
+
+    def recorder():
+        return trt.DistributedRecorder(group=dist.new_group(backend="gloo"), timeout=2)
+
+    saved = capture(model, opt, sched, acc, state)
+    rec = recorder()
+    attempt("save", lambda: saved.save(rec, folder / "step-1"))
+    back = TrainingRecord.load(rec, folder / "step-1", device(rank), state_type=State)
+    store = rec.group.get_group_store()  # the save's meeting keys went once the load's met
+    meetings = {f"{n}/DistributedRecorder.{what}/{k}": store.check([f"trainrec/meeting/{n}/DistributedRecorder.{what}/{k}"])
+                for n, what in ((0, "save"), (1, "load")) for k in ("outcome", "arrived", f"rank/{rank}")}
+    (out / f"timeout-keys-{rank}.json").write_text(json.dumps(meetings))
+    native = NamedMpkFileRecorder(NativePrecisionSettings())
+    saved.save(native, out / f"timeout-saved-{rank}.mpk")
+    back.save(native, out / f"timeout-loaded-{rank}.mpk")
+    train(model, opt, sched, acc, state, A + 2)  # the live run is past step-1: a load would show
+    rec = recorder()
+    if rank == 0:
+        attempt("only0", lambda: saved.save(rec, folder / "step-2"))
+    dist.barrier()
+    rec = recorder()
+    if rank == 1:
+        attempt("only1", lambda: saved.save(rec, folder / "step-3"))
+    dist.barrier()  # rank 1 gave up: rank 0 comes late to the same save
+    if rank == 0:
+        attempt("late0", lambda: saved.save(rec, folder / "step-3"))
+    rec = recorder()
+    if rank == 1:
+        attempt("load1", lambda: TrainingRecord.load(rec, folder / "step-1", device(rank),
+                                                      state_type=State).restore(
+            model, opt, sched, device(rank)))
+    dist.barrier()
+    # the check of load1 can fail: a load on every rank does change the live run
+    attempt("reload", lambda: TrainingRecord.load(recorder(), folder / "step-1", device(rank),
+                                                   state_type=State).restore(model, opt, sched, device(rank)))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@ MODE (checkpoints under OUT/ckpt{WORLD}):
   the refusal to unsynced-error-RANK.txt.
 - `resume`: in fresh objects, restore step-A, train to STEPS, dump resumed-A-RANK.pt; the
   same from step-B.
+- `timeout`, 2 ranks: `DCPRecorder(timeout=2)` on a new gloo group per case, into
+  OUT/timeout: every rank saves step-1 (and step-2 with async_save=True) and loads step-1
+  back, dumping timeout-saved-RANK.pt and timeout-loaded-RANK.pt; then rank 0 alone saves
+  with async_save=True (`only0`), rank 1 alone saves (`only1`), and rank 0 alone loads
+  step-1 (`load0`), then every rank does (`reload`), each outcome in
+  OUT/timeout-CASE-RANK.json (the error's type and message, the seconds it took, whether
+  this rank's shards, gradients and optimizer state stayed as they were).
 - `M1+M2`: M1, then M2 in fresh objects (one process start for both).
 - `damaged`, 2 ranks: copies of step-A with one byte of rank 1's shard file flipped, and
   with rank 1's part cut short; each rank, mid-window with optimizer state, loads them and
@@ -248,8 +255,67 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
             (out / f"refused{saved}to{world}-{rank}.txt").write_text(str(e))
         chosen = trt.DCPRecorder().load(path, model, opt, sched, state_type=State, rank_state=1)
         assert chosen.state.micro == step, chosen.state
+    elif mode == "timeout":
+        timeout_cases(model, opt, sched, state, rank, out)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
+
+
+def timeout_cases(model, opt, sched, state, rank: int, out: Path) -> None:
+    import json
+
+    folder = out / "timeout"
+    train(model, opt, sched, state, A)
+
+    def local():  # this rank's own tensors: no collective, unlike dump
+        params = dict(model.named_parameters())
+        return ([p.detach().to_local().clone() for p in params.values()]
+                + [p.grad.to_local().clone() for p in params.values() if p.grad is not None]
+                + [v.to_local().clone() for p in params.values() for v in opt.state[p].values()
+                   if isinstance(v, torch.Tensor) and hasattr(v, "to_local")])
+
+    def attempt(case: str, call) -> None:
+        before = local()
+        start = time.monotonic()
+        try:
+            call()
+            result = {"error": None}
+        except trainrec.RecorderError as e:
+            result = {"error": type(e).__name__, "message": str(e)}
+        result["seconds"] = time.monotonic() - start
+        after = local()
+        result["unchanged"] = len(before) == len(after) and all(
+            torch.equal(a, b) for a, b in zip(before, after))
+        (out / f"timeout-{case}-{rank}.json").write_text(json.dumps(result))
+
+    def recorder():
+        return trt.DCPRecorder(group=dist.new_group(backend="gloo"), timeout=2)
+
+    rec = recorder()
+    attempt("save", lambda: save(model, opt, sched, state, folder / "step-1", rec))
+    dump(model, opt, sched, state, out / f"timeout-saved-{rank}.pt")
+    assert save(model, opt, sched, state, folder / "step-2", rec,
+                async_save=True).result() == folder / "step-2"
+    fresh, fresh_opt, fresh_sched, _ = build(rank)
+    back = rec.load(folder / "step-1", fresh, fresh_opt, fresh_sched, state_type=State).state
+    back.rng.apply()
+    dump(fresh, fresh_opt, fresh_sched, back, out / f"timeout-loaded-{rank}.pt")
+    train(model, opt, sched, state, A + 2)  # the live run is past step-1: a load would show
+    rec = recorder()
+    if rank == 0:
+        attempt("only0", lambda: save(model, opt, sched, state, folder / "step-3", rec,
+                                      async_save=True).result())
+    dist.barrier()
+    rec = recorder()
+    if rank == 1:
+        attempt("only1", lambda: save(model, opt, sched, state, folder / "step-4", rec))
+    dist.barrier()
+    rec = recorder()
+    if rank == 0:
+        attempt("load0", lambda: rec.load(folder / "step-1", model, opt, sched, state_type=State))
+    dist.barrier()
+    # the check of load0 can fail: a load on every rank does change the live run
+    attempt("reload", lambda: recorder().load(folder / "step-1", model, opt, sched, state_type=State))
 
 
 if __name__ == "__main__":

@@ -149,6 +149,156 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(run
         TrainingRecord.load(trt.DistributedRecorder(), ckpt / f"step-{B:08d}", rank=rank)
 
 
+@pytest.fixture(scope="module")
+def timeout_runs(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("ddp-timeout")
+    (out / "timeout").mkdir()
+    _phase(out, ["timeout"])
+    return out
+
+
+def _outcome(out: Path, case: str, rank: int) -> dict:
+    import json
+
+    return json.loads((out / f"timeout-{case}-{rank}.json").read_text())
+
+
+def test_with_a_timeout_every_rank_saves_and_loads_back_as_before(timeout_runs):
+    import json
+
+    for rank in range(2):
+        assert _outcome(timeout_runs, "save", rank)["error"] is None
+        assert _outcome(timeout_runs, "reload", rank)["error"] is None
+        saved, loaded = (_item(timeout_runs / f"timeout-{w}-{rank}.mpk") for w in ("saved", "loaded"))
+        assert same(saved, loaded), rank
+    # the store keeps no meeting but the last: each goes once the next one succeeded
+    keys = [json.loads((timeout_runs / f"timeout-keys-{r}.json").read_text()) for r in range(2)]
+    for r in range(2):
+        assert not any(v for k, v in keys[r].items() if k.startswith("0/")), keys
+        assert all(keys[r][f"1/DistributedRecorder.load/{k}"] for k in ("outcome", "arrived", f"rank/{r}")), keys
+
+
+@pytest.mark.parametrize(("case", "rank", "missing", "what"), [
+    ("only0", 0, 1, "save"), ("only1", 1, 0, "save"), ("load1", 1, 0, "load")])
+def test_a_save_or_load_called_on_one_rank_fails_within_the_timeout(timeout_runs, case, rank, missing, what):
+    """Rank `rank` alone calls it (rank 0 under `if rank == 0:`, say): with timeout=2 it
+    raises in seconds, not at the group's timeout, naming the rank that did not join,
+    having written (no temp directory) and loaded nothing."""
+    got = _outcome(timeout_runs, case, rank)
+    assert got["error"] == "RecorderError" and got["seconds"] < 20, got
+    assert got["message"].startswith(f"rank(s) {missing} of the process group did not join "
+                                     f"DistributedRecorder.{what} within 2 s"), got
+    assert "must be called on every rank" in got["message"] and "restart the run" in got["message"]
+    assert got["unchanged"]
+    if what == "load":  # the check can fail: a load on every rank changes the live model
+        assert not _outcome(timeout_runs, "reload", rank)["unchanged"]
+    assert not (timeout_runs / f"timeout-{case}-{missing}.json").exists()  # it never called
+    ckpt = timeout_runs / "timeout"
+    assert os.listdir(ckpt) == ["step-1"]  # no step-2 or step-3, no temp directory
+    for r in range(2):  # the earlier checkpoint is intact
+        TrainingRecord.load(trt.DistributedRecorder(), ckpt / "step-1", rank=r)
+
+
+def test_a_rank_that_comes_after_the_others_gave_up_fails_at_once(timeout_runs):
+    got = _outcome(timeout_runs, "late0", 0)
+    assert got["error"] == "RecorderError" and got["seconds"] < 1, got
+    assert got["message"].startswith("this rank (rank 0) joined DistributedRecorder.save more "
+                                     "than 2 s after the rank(s) waiting for it, which gave up"), got
+
+
+class _FakeRank:
+    """One rank of a group of `world`, for `meet` in threads of this process: its own group
+    name (the process's meeting count is per name) over one shared store."""
+
+    def __init__(self, store, rank: int, world: int, tag: str) -> None:
+        self.store, self.rank, self.world, self.group_name = store, rank, world, f"{tag}-{rank}"
+
+    def get_group_store(self):
+        return self.store
+
+
+def _meet_in_threads(monkeypatch, ranks, world: int, store=None, timeout: float = 0.3):
+    """Run `meet` on `ranks` (of `world`) at once, in threads: {rank: None or the error}."""
+    import threading
+    import uuid
+
+    from trainrec.adapters.torch import distributed
+
+    monkeypatch.setattr(distributed, "_rank_world", lambda g: (g.rank, g.world))
+    store = dist.HashStore() if store is None else store
+    tag = uuid.uuid4().hex
+    got: dict = {}
+    start = threading.Barrier(len(ranks))
+
+    def one(rank: int) -> None:
+        start.wait(10)
+        try:
+            distributed.meet(_FakeRank(store, rank, world, tag), timeout, "DCPRecorder.save", Path("ck"))
+            got[rank] = None
+        except RecorderError as e:
+            got[rank] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(got) == len(ranks), "a meeting did not end"
+    return got
+
+
+def test_the_ranks_that_came_all_name_every_rank_that_did_not(monkeypatch):
+    """3 ranks, rank 1 missing: rank 0 and rank 2 both raise naming rank 1 (whichever
+    timed out first decided, the other read its outcome); all 3 meet fine."""
+    got = _meet_in_threads(monkeypatch, [0, 2], 3)
+    for rank in (0, 2):
+        assert str(got[rank]).startswith("rank(s) 1 of the process group did not join "
+                                         "DCPRecorder.save within 0.3 s"), got
+    got = _meet_in_threads(monkeypatch, [0, 2], 4)
+    assert all(str(e).startswith("rank(s) 1, 3 of the process group") for e in got.values()), got
+    assert _meet_in_threads(monkeypatch, [0, 1, 2], 3, timeout=5) == {0: None, 1: None, 2: None}
+
+
+def test_a_store_that_fails_is_a_recorder_error(monkeypatch):
+    class Gone:
+        def set(self, *args):
+            raise RuntimeError("Connection reset by peer")
+
+    got = _meet_in_threads(monkeypatch, [0], 2, Gone())
+    assert isinstance(got[0], RecorderError)
+    assert "could not meet before DCPRecorder.save in the process group's store: Connection reset" in str(got[0])
+
+
+@pytest.mark.parametrize(("timeout", "error", "match"), [
+    (-1, ValueError, "positive and finite, got -1"),
+    (0, ValueError, "positive and finite"),
+    (float("nan"), ValueError, "positive and finite, got nan"),
+    (float("inf"), ValueError, "positive and finite"),
+    (__import__("datetime").timedelta(0), ValueError, "positive and finite"),
+    (True, TypeError, "got bool"),
+    ("2", TypeError, "seconds or a datetime.timedelta.*got str"),
+])
+@pytest.mark.parametrize("recorder", ["DistributedRecorder", "DCPRecorder"])
+def test_a_bad_timeout_is_refused(recorder, timeout, error, match):
+    with pytest.raises(error, match=match):
+        getattr(trt, recorder)(timeout=timeout)
+
+
+def test_a_timeout_is_seconds_or_a_timedelta_and_one_rank_needs_no_meeting(tmp_path):
+    import datetime
+
+    assert trt.DistributedRecorder(timeout=datetime.timedelta(minutes=1)).timeout == 60.0
+    assert trt.DCPRecorder(timeout=np.float32(1.5)).timeout == 1.5
+    assert trt.DistributedRecorder().timeout is None and repr(trt.DCPRecorder(timeout=2)) == "DCPRecorder(timeout=2)"
+    record = TrainingRecord.capture(*_training())
+    path = record.save(trt.DistributedRecorder(timeout=0.01), tmp_path / "step-1")
+    loaded = TrainingRecord.load(trt.DistributedRecorder(timeout=0.01), path, state_type=State)
+    native = trainrec.NativePrecisionSettings()
+    assert same(loaded.into_item(native), record.into_item(native))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_ranks_on_gpus_resume_bitwise_from_mid_window(tmp_path):

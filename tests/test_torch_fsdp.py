@@ -161,6 +161,50 @@ def test_a_rank_killed_during_dcp_s_write_leaves_the_previous_checkpoint_loadabl
     # and the previous checkpoint was resumed from, bitwise, above (step B)
 
 
+@pytest.fixture(scope="module")
+def timeout_runs(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("fsdp-timeout")
+    (out / "timeout").mkdir()
+    _phase(out, [("timeout", 2)])
+    return out
+
+
+def _outcome(out: Path, case: str, rank: int) -> dict:
+    import json
+
+    return json.loads((out / f"timeout-{case}-{rank}.json").read_text())
+
+
+def test_with_a_timeout_every_rank_saves_and_loads_back_as_before(timeout_runs):
+    for rank in range(2):
+        assert _outcome(timeout_runs, "save", rank)["error"] is None
+        assert _outcome(timeout_runs, "reload", rank)["error"] is None
+        saved, loaded = (_load(timeout_runs / f"timeout-{w}-{rank}.pt") for w in ("saved", "loaded"))
+        assert _same(saved, loaded), rank
+    assert sorted(os.listdir(timeout_runs / "timeout")) == ["step-1", "step-2"]  # step-2: async
+
+
+@pytest.mark.parametrize(("case", "rank", "missing", "what"), [
+    ("only0", 0, 1, "save"), ("only1", 1, 0, "save"), ("load0", 0, 1, "load")])
+def test_a_save_or_load_called_on_one_rank_fails_within_the_timeout(timeout_runs, case, rank, missing, what):
+    """Rank `rank` alone calls it (only0: with async_save=True, whose meeting is in the
+    calling thread): with timeout=2 it raises in seconds, naming the rank that did not
+    join, having written (no temp directory) and loaded nothing."""
+    got = _outcome(timeout_runs, case, rank)
+    assert got["error"] == "RecorderError" and got["seconds"] < 20, got
+    assert got["message"].startswith(f"rank(s) {missing} of the process group did not join "
+                                     f"DCPRecorder.{what} within 2 s"), got
+    assert "must be called on every rank" in got["message"] and "restart the run" in got["message"]
+    assert got["unchanged"]
+    if what == "load":  # the check can fail: a load on every rank changes the live shards
+        assert not _outcome(timeout_runs, "reload", rank)["unchanged"]
+    assert sorted(os.listdir(timeout_runs / "timeout")) == ["step-1", "step-2"]
+    header, _ = trainrec.read_file(timeout_runs / "timeout" / "step-1")  # intact
+    assert header.format == "trainrec.dcp"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nccl_ranks_on_gpus_resume_bitwise_from_mid_window(tmp_path):

@@ -46,6 +46,7 @@ refused, saying how to accumulate instead.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import json
 import pickle
@@ -79,7 +80,15 @@ from trainrec import (
 from trainrec.adapter_kit import Header, Item, crc32, path_arg
 
 from .bindings import TorchLrScheduler
-from .distributed import _Commit, _rank_world, _safe_name, agree, read_manifest
+from .distributed import (
+    _Commit,
+    _rank_world,
+    _safe_name,
+    agree,
+    meet,
+    read_manifest,
+    timeout_seconds,
+)
 from .wrappers import is_dtensor, named_parameters
 
 __all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
@@ -109,7 +118,12 @@ class DCPRecorder:
     `torch.distributed.checkpoint`: model, optimizer and pending `.grad` as DCP (sharded,
     resharded on load), the scheduler and each rank's caller state beside it, one commit.
 
-    `group`: the process group whose ranks save together (default: the world).
+    `group`: the process group whose ranks save together (default: the world). `timeout`
+    (seconds or a `datetime.timedelta`; default None: the group's own): before `save` and
+    `load` touch anything, the ranks meet, and when one has not joined within `timeout`
+    the others raise `RecorderError` naming it, nothing written or loaded (as
+    `DistributedRecorder`'s `timeout`; the meeting is in the calling thread, also for
+    `async_save=True`).
 
     Example::
 
@@ -125,12 +139,14 @@ class DCPRecorder:
     group of its own (`DCPRecorder(group=dist.new_group(backend="gloo"))`; see `save`).
     """
 
-    def __init__(self, *, group: Any = None) -> None:
+    def __init__(self, *, group: Any = None,
+                 timeout: float | datetime.timedelta | None = None) -> None:
         self.group = group
+        self.timeout = timeout_seconds(timeout)
         self._pending: Future[Path] | None = None
 
     def __repr__(self) -> str:
-        return "DCPRecorder()"
+        return "DCPRecorder()" if self.timeout is None else f"DCPRecorder(timeout={self.timeout:g})"
 
     # -- save ------------------------------------------------------------------------------
 
@@ -163,6 +179,7 @@ class DCPRecorder:
             _refuse_plain_gradients(model)
         if self._pending is not None:
             wait([self._pending])  # its outcome is its own future's
+        meet(self.group, self.timeout, "DCPRecorder.save", path)
         commit = _Commit(path, rank, world, self.group)
         if rank == 0:
             commit.prepare()
@@ -249,6 +266,9 @@ class DCPRecorder:
         gives every rank rank r's (its RNG too: the ranks then draw alike unless the caller
         reseeds). Everything is checked and read before the live objects change: a rejected
         load leaves them as they were."""
+        # with a timeout, the ranks first meet in the group's store: a rank that never calls
+        # load fails the others here, before any collective (`meet`)
+        meet(self.group, self.timeout, "DCPRecorder.load", path_arg(path))
         failure: Exception | None = None
         try:
             plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state)

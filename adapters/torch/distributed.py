@@ -26,6 +26,11 @@ when a peer's connection drops, or at the process group's timeout) and rank 0 re
 temp directory; one a killed rank 0 leaves is removed by a later save into the same
 folder, once its lock is free.
 
+With `timeout=t`, every save and collective load starts with the ranks meeting in the
+process group's store (`meet`): a rank that has not come within t seconds (a `save` called
+under `if rank == 0:`) fails the others before anything is written or read, instead of at
+the group's timeout in their first collective.
+
 A load reads `replicated` and this rank's part, and refuses another world size: pending
 gradients and caller state are per rank, and no rule maps them onto another number of
 ranks. `read(path, rank=r)` reads rank r's view in any process (inspection, tools).
@@ -38,13 +43,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
+import math
+import numbers
 import os
 import re
 import secrets
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,8 +106,15 @@ class DistributedRecorder(RecorderBase):
 
     Every rank calls `save` / `record` (collective: the ranks meet three times; a rank
     that never arrives fails the others at once when its process is gone, else at the
-    process group's timeout) and `load` / `read`
-    (not collective). Loading refuses a checkpoint of another world size.
+    process group's timeout) and `load` / `read` (collective with several ranks). Loading
+    refuses a checkpoint of another world size.
+
+    `timeout` (seconds, or a `datetime.timedelta`; default None: the process group's own):
+    before a save or a collective load touches anything, every rank of `group` meets in
+    the group's store, and when a rank has not joined within `timeout` the ranks that did
+    raise `RecorderError` naming it, having written or loaded nothing (`save` called on
+    some ranks only, say under `if rank == 0:`, then fails in seconds instead of waiting
+    out the group's timeout, 30 minutes by default). Any backend (gloo, NCCL).
 
     Example::
 
@@ -108,7 +124,8 @@ class DistributedRecorder(RecorderBase):
         record = TrainingRecord.load(DistributedRecorder(), path, device, state_type=State)
     """
 
-    def __init__(self, recorder: RecorderBase | None = None, *, group: Any = None) -> None:
+    def __init__(self, recorder: RecorderBase | None = None, *, group: Any = None,
+                 timeout: float | datetime.timedelta | None = None) -> None:
         inner = NamedMpkFileRecorder(NativePrecisionSettings()) if recorder is None else recorder
         suffix = getattr(inner, "suffix", None)
         if not isinstance(inner, RecorderBase) or not isinstance(suffix, str) or not suffix:
@@ -118,10 +135,12 @@ class DistributedRecorder(RecorderBase):
         super().__init__(inner.settings)
         self.recorder = inner
         self.group = group
+        self.timeout = timeout_seconds(timeout)
         self._suffix = suffix
 
     def __repr__(self) -> str:
-        return f"DistributedRecorder({self.recorder!r})"
+        shown = "" if self.timeout is None else f", timeout={self.timeout:g}"
+        return f"DistributedRecorder({self.recorder!r}{shown})"
 
     def native_name(self) -> str:
         return f"DistributedRecorder({self.recorder.native_name()})"
@@ -133,8 +152,10 @@ class DistributedRecorder(RecorderBase):
     ) -> Path:
         """Collective: write this rank's part of `item` into the checkpoint `args` and
         return its `Path` once rank 0 committed it. Every rank raises `RecorderError` when
-        any rank failed (its own error on the rank that failed), and nothing is committed."""
+        any rank failed (its own error on the rank that failed), and nothing is committed.
+        With a `timeout`, a rank that does not join within it fails the others first."""
         path = path_arg(args)
+        meet(self.group, self.timeout, "DistributedRecorder.save", path)
         rank, world = _rank_world(self.group)
         commit = _Commit(path, rank, world, self.group)
         early: Exception | None = None  # raised after the ranks met: they must hear of it
@@ -199,9 +220,11 @@ class DistributedRecorder(RecorderBase):
         Without `rank`, reading is collective when the group has several ranks: every rank
         calls it, and when any rank's read fails every rank raises (the others a
         `RecorderError` naming that rank and its error), so no rank restores and then waits
-        at its next collective for one that could not."""
+        at its next collective for one that could not. With a `timeout`, a rank that does
+        not join within it fails the others before any reads."""
         if rank is not None or _rank_world(self.group)[1] == 1:
             return self._read(args, mmap, rank)
+        meet(self.group, self.timeout, "DistributedRecorder.load", path_arg(args))
         failure: Exception | None = None
         try:
             out: tuple[Header, Item] | None = self._read(args, mmap, None)
@@ -577,6 +600,112 @@ def agree(failure: Exception | None, group: Any, source: str) -> None:
 
 
 _NOT_COMMITTED = "nothing was committed, and earlier checkpoints are untouched"
+
+
+def timeout_seconds(timeout: Any) -> float | None:
+    """The distributed recorders' `timeout=`: seconds (a positive finite number or
+    `datetime.timedelta`) as a float, or None. `TypeError` / `ValueError` otherwise."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError("timeout must be a number of seconds or a datetime.timedelta (or None: "
+                        f"the process group's own timeout), got {type(timeout).__name__}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be positive and finite, got {timeout!r} (None waits as "
+                         "long as the process group's own timeout)")
+    return seconds
+
+
+_meetings: dict[str, int] = {}  # group name -> meetings this process held on it
+
+
+def meet(group: Any, timeout: float | None, what: str, path: Path) -> None:
+    """With a `timeout` and several ranks: every rank of `group` meets before `what` (a save
+    or load, e.g. "DCPRecorder.save") touches anything, in the group's store (not a
+    collective: any backend, and never interleaved with the group's collectives). Returns
+    once every rank arrived; raises `RecorderError` on every rank that arrived when one had
+    not within `timeout` seconds of the first wait's start. The ranks agree on the outcome
+    (the store's compare-and-set decides it once), so either all that arrived go on or all
+    raise; one arriving after the others gave up raises at once.
+
+    The ranks number their meetings on a group alike when every rank makes the same calls
+    (after a failed one they are out of step, and every later one fails too); a meeting's
+    keys are removed once the next one succeeded (every rank has left it by then)."""
+    if timeout is None:
+        return
+    rank, world = _rank_world(group)
+    if world == 1:
+        return
+    pg: Any = dist.group.WORLD if group is None else group
+    name = str(pg.group_name)
+    number = _meetings.get(name, 0)
+    _meetings[name] = number + 1
+    key = f"trainrec/meeting/{number}/{what}"
+    outcome_key, arrived_key = f"{key}/outcome", f"{key}/arrived"
+    try:
+        get_store = getattr(pg, "get_group_store", None)
+        store: Any = (get_store() if get_store is not None  # older torch: the private map
+                      else dist.distributed_c10d._get_process_group_store(pg))
+        store.set(f"{key}/rank/{rank}", "")
+        if store.add(arrived_key, 1) == world:
+            outcome = store.compare_set(outcome_key, "", "go")
+        elif _appears(store, outcome_key, timeout):
+            outcome = store.get(outcome_key)
+        else:
+            missing = [r for r in range(world) if not store.check([f"{key}/rank/{r}"])]
+            outcome = store.compare_set(  # none missing: the last one is between its set and add
+                outcome_key, "", "missing:" + ",".join(map(str, missing)) if missing else "go")
+        outcome = outcome.decode() if isinstance(outcome, bytes) else str(outcome)
+        if outcome == "go":  # every rank came here, so every rank has left the last meeting
+            _forget_meeting(store, _previous.pop(name, None), rank)
+            _previous[name] = key
+            return
+    except RuntimeError as e:  # the store is gone (its host, rank 0, died) or refuses
+        raise RecorderError(f"the ranks could not meet before {what} in the process group's "
+                            f"store: {e}", source=str(path)) from e
+    missing = [int(r) for r in outcome.removeprefix("missing:").split(",") if r]
+    done = ("nothing was written, and earlier checkpoints are untouched" if what.endswith("save")
+            else "nothing was loaded: the live objects are unchanged")
+    if rank in missing:
+        happened = (f"this rank (rank {rank}) joined {what} more than {timeout:g} s after the "
+                    "rank(s) waiting for it, which gave up")
+    else:
+        happened = (f"rank(s) {', '.join(map(str, missing))} of the process group did not "
+                    f"join {what} within {timeout:g} s")
+    raise RecorderError(
+        f"{happened}: {what} is collective and must be called on every rank of the group (not "
+        f"under `if rank == 0:`); {done}. The ranks are out of step now, and the process "
+        "group may be unusable: restart the run", source=str(path))
+
+
+_previous: dict[str, str] = {}  # group name -> the last meeting's keys, removed at the next
+
+
+def _appears(store: Any, key: str, timeout: float) -> bool:
+    """Whether `key` is in `store` within `timeout` seconds (polled: a store's own `wait`
+    rounds a FileStore's timeout up to whole seconds, and a TCPStore logs each one)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while not store.check([key]):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 0.02)
+    return True
+
+
+def _forget_meeting(store: Any, key: str | None, rank: int) -> None:
+    if key is None:
+        return
+    store.delete_key(f"{key}/rank/{rank}")
+    if rank == 0:
+        store.delete_key(f"{key}/arrived")
+        store.delete_key(f"{key}/outcome")
 
 
 def _collective(call: Any, path: Path, what: str, abandon: Any,
