@@ -18,7 +18,12 @@ each the median over `--repeats` of the slowest rank:
   rank), AdamW moments and pending `.grad` (sharded), saved and loaded by `DCPRecorder`
   against plain `dcp.save` / `dcp.load` of the same state dicts (`get_state_dict` plus the
   gradients); the recorder adds the scheduler and caller-state parts, the commit (fsync,
-  rename) and, on load, checks and a copy of the live state it reads into.
+  rename, the entries' CRC-32s) and, on load, its checks: with `verify=True` (the
+  default) every entry's CRC-32 before any live tensor changes (a second read of the
+  bytes), with `verify=False` only the non-tensor entries' (like for like: DCP keeps
+  no checksums);
+- `dcp.load + get/set_state_dict`: the whole resume of torch's DCP recipe for FSDP2
+  (`set_state_dict` gives the optimizer its saved param groups), plus the scheduler.
 
 Ratios are printed against the single-process recorder and DCP of the same run (the FSDP2
 rows against the FSDP2 DCP rows). Nothing here is a test.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -57,6 +63,9 @@ def _rank_main(rank: int, world: int, root: str, nbytes: int, repeats: int, out:
     class State:
         micro: int
 
+    # one intra-op thread per rank, as torchrun sets (OMP_NUM_THREADS=1 unless told
+    # otherwise): 2 ranks of 2 OpenMP threads each on 2 cores made every copy bimodal
+    torch.set_num_threads(1)
     base = Path(root)
     dist.init_process_group("gloo", init_method=f"file://{base}/store", rank=rank, world_size=world)
     per = max(1, nbytes // 4 // 4 // PARAMS)  # f32 elements per parameter
@@ -76,6 +85,8 @@ def _rank_main(rank: int, world: int, root: str, nbytes: int, repeats: int, out:
         """Median over repeats of the slowest rank's seconds (`solo`: rank 0 alone)."""
         runs = []
         for i in range(repeats):
+            if rank == 0:
+                os.sync()  # no earlier row's dirty pages left for this one to flush
             dist.barrier()
             t0 = time.perf_counter()
             if not solo or rank == 0:
@@ -120,7 +131,7 @@ def _fsdp_rows(rank: int, base: Path, per: int, repeats: int, timed: Any, fresh:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
     import trainrec
@@ -150,12 +161,30 @@ def _fsdp_rows(rank: int, base: Path, per: int, repeats: int, timed: Any, fresh:
         lambda i: rec.save(paths[i], holder, opt, sched, state))
     rows["DCPRecorder load (FSDP2, + grads)"] = timed(
         lambda i: rec.load(paths[i], holder, opt, sched, state_type=State))
+    rows["DCPRecorder load, verify=False (FSDP2, + grads)"] = timed(
+        lambda i: rec.load(paths[i], holder, opt, sched, state_type=State, verify=False))
     msd, osd = get_state_dict(holder, opt)
     grads = {n: p.grad for n, p in holder.named_parameters()}
     plain = {"model": msd, "optim": osd, "grads": grads}
     dirs = {i: fresh("fsdp-dcp", i) for i in range(repeats)}
     rows["dcp.save (FSDP2, same state)"] = timed(lambda i: dcp.save(plain, checkpoint_id=dirs[i]))
     rows["dcp.load (FSDP2, same state)"] = timed(lambda i: dcp.load(plain, checkpoint_id=dirs[i]))
+
+    def resume(i: int) -> None:
+        """What torch's DCP recipe for FSDP2 does to resume: get_state_dict, dcp.load into
+        it, set_state_dict (which gives the optimizer its saved param groups, lr included),
+        plus the pending gradients and the scheduler."""
+        msd, osd = get_state_dict(holder, opt)
+        grads = {n: p.grad for n, p in holder.named_parameters()}
+        tree = {"model": msd, "optim": osd, "grads": grads, "sched": sched.state_dict()}
+        dcp.load(tree, checkpoint_id=dirs[i])
+        set_state_dict(holder, opt, model_state_dict=tree["model"], optim_state_dict=tree["optim"])
+        sched.load_state_dict(tree["sched"])
+
+    plain["sched"] = sched.state_dict()
+    dirs = {i: fresh("fsdp-resume", i) for i in range(repeats)}
+    timed(lambda i: dcp.save(plain, checkpoint_id=dirs[i]))
+    rows["dcp.load + get/set_state_dict (FSDP2 resume)"] = timed(resume)
     return rows
 
 

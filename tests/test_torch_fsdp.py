@@ -660,3 +660,34 @@ def test_edited_shard_checksums_are_refused(one_rank, edit, match):
     with pytest.raises(CorruptRecordError, match=match):
         trt.DCPRecorder().load(path, model, opt)
     assert _unchanged(before, model, opt)
+
+
+def test_verify_false_skips_the_tensor_checksums_only(one_rank, tmp_path, monkeypatch):
+    """verify=False trusts the tensors' bytes as a plain dcp.load does (a changed byte in a
+    tensor loads as a wrong value: the documented price), but still checks the non-tensor
+    entries' checksums and everything else before the live objects change."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    where = {index.fqn: info for index, info in meta.storage_data.items()}
+    shard = path / "dcp" / where["model.2.weight"].relative_path
+    data = bytearray(shard.read_bytes())
+    weight = where["model.2.weight"]
+    data[weight.offset + weight.length - 40] ^= 0x10
+    shard.write_bytes(bytes(data))
+    model, opt = _two_groups()
+    with pytest.raises(TypeError, match="verify must be True or False"):
+        trt.DCPRecorder().load(path, model, opt, verify=1)
+    trt.DCPRecorder().load(path, model, opt, verify=False)  # loads: the tensor is not checked
+    assert opt.state and all(p.grad is not None for p in model.parameters())
+    # a non-tensor entry changed (the trainrec facts): refused even so, before any change
+    trainrec_entry = where["trainrec"]
+    data[trainrec_entry.offset + trainrec_entry.length // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    model2, opt2 = _two_groups()
+    before = _snapshot(model2, opt2)
+    with pytest.raises(CorruptRecordError, match=r"is damaged: the \d+ bytes at offset "
+                       f"{trainrec_entry.offset} have CRC-32"):
+        trt.DCPRecorder().load(path, model2, opt2, verify=False)
+    assert _unchanged(before, model2, opt2)

@@ -255,7 +255,7 @@ class DCPRecorder:
 
     def load(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: Any = None, *, state_type: type[U] | None = None,
-             rank_state: str | int = "own") -> DCPRestored[U]:
+             rank_state: str | int = "own", verify: bool = True) -> DCPRestored[U]:
         """Collective: restore the checkpoint `path` into the live (sharded) `model`,
         `optimizer` and `scheduler`, pending `.grad` included, and return the caller's state
         rebuilt as `state_type` (the raw item tree without one).
@@ -264,22 +264,36 @@ class DCPRecorder:
         optimizer and gradients are resharded, and `rank_state` chooses the caller state:
         `"own"` (default) refuses with `RecordMismatchError`, `"drop"` returns none, an int r
         gives every rank rank r's (its RNG too: the ranks then draw alike unless the caller
-        reseeds). Everything is checked and read before the live objects change: a rejected
-        load leaves them as they were."""
+        reseeds). Everything is checked before the live objects change: a rejected load
+        leaves them as they were.
+
+        `verify` (default True): check the CRC-32 of every entry this rank reads before
+        reading any into the live state; a changed byte is then a `CorruptRecordError` and
+        nothing changes. It reads those bytes twice (from the page cache the second time,
+        when they fit). `verify=False` checks only the non-tensor entries' and trusts the
+        tensors' bytes, as a plain `dcp.load` does: a changed byte inside a tensor then
+        loads as a wrong value, or fails DCP's read after some live tensors changed
+        (`trainrec verify DIR` checks every entry offline)."""
+        if type(verify) is not bool:
+            raise TypeError(f"verify must be True or False, got {verify!r}")
         # with a timeout, the ranks first meet in the group's store: a rank that never calls
         # load fails the others here, before any collective (`meet`)
         meet(self.group, self.timeout, "DCPRecorder.load", path_arg(path))
-        failure: Exception | None = None
+        plan: _Load | None = None
         try:
-            plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state)
+            plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state,
+                                 verify)
+            reader = plan.reader
         except Exception as e:  # noqa: BLE001 - every rank learns of it before any reads
-            failure = e
-        # a rank that cannot load must not leave the others waiting in DCP's collectives
-        agree(failure, self.group, str(path))
-        reader = plan.reader
+            if _rank_world(self.group)[1] == 1:
+                raise
+            # a rank that cannot load still takes part in DCP's collectives, with nothing
+            # to read, and tells the others in `_Reader.read_data`'s agreement (one round)
+            # instead of leaving them waiting there until the group's timeout
+            reader = _Reader.refusing(e, self.group, Path(path_arg(path)))
         try:
-            dcp_load(plan.target, storage_reader=reader, planner=_Planner(),
-                     process_group=self.group)
+            dcp_load({} if plan is None else plan.target, storage_reader=reader,
+                     planner=_Planner(), process_group=self.group)
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             if reader.error is not None:
                 raise reader.error from None  # a check refused it: nothing was read
@@ -288,10 +302,11 @@ class DCPRecorder:
                     "torch.distributed.checkpoint failed while reading the tensors, after every "
                     f"check had passed (were the files changed during the load?): {e}. The "
                     "model, optimizer and pending gradients may be partly restored: load again",
-                    source=str(plan.path)) from e
+                    source=str(reader.folder.parent)) from e
             raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
                                 f"optimizer and pending gradients: {e}",
-                                source=str(plan.path)) from e
+                                source=str(reader.folder.parent)) from e
+        assert plan is not None  # a refusing reader raised
         set_state_dict(model, optimizer, model_state_dict=plan.target["model"],
                        optim_state_dict=plan.target["optim"])
         if not plan.manifest["optimizer_state"]:
@@ -303,7 +318,7 @@ class DCPRecorder:
         return DCPRestored(plan.state, plan.manifest["world_size"])
 
     def _prepare(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, state_type: Any, rank_state: str | int) -> _Load:
+                 scheduler: Any, state_type: Any, rank_state: str | int, verify: bool) -> _Load:
         """This rank's checks, before the ranks meet: the manifest, its part, the caller
         state and scheduler rebuilt, DCP's metadata against the live shapes; and what DCP
         reads into (the live tensors themselves: the state dicts hold them, and each
@@ -379,7 +394,7 @@ class DCPRecorder:
                     source=str(path))
 
         return _Load(path, manifest, params, target, state, sched_record,
-                     _Reader(folder, metadata, crcs, self.group, check))
+                     _Reader(folder, metadata, crcs, self.group, check, verify))
 
 
 @dataclass
@@ -630,19 +645,29 @@ def _well_formed_shards(doc: dict[str, Any]) -> bool:
 class _Reader(FileSystemReader):
     """DCP's file reader, in two passes, so that a rejected load changes nothing live.
 
-    First every entry this rank reads is checked against the CRC-32 the save recorded of
-    its bytes, the non-tensor entries are read (into the target tree, not the live objects)
+    First every entry this rank reads (`verify=False`: every non-tensor entry) is checked
+    against the CRC-32 the save recorded of its bytes, the non-tensor entries are read (into the target tree, not the live objects)
     and `check`ed, and the ranks tell each other how that went. Only when every rank is
     content are the tensors read, into the live state. `error` keeps what refused the load
     (DCP wraps it in a `CheckpointException`); `reading` says the second pass began."""
 
     def __init__(self, folder: Path, metadata: Any, shards: dict[str, dict[tuple[int, int], int]],
-                 group: Any, check: Callable[[dict[str, Any]], None]) -> None:
+                 group: Any, check: Callable[[dict[str, Any]], None], verify: bool = True) -> None:
         super().__init__(str(folder))
         self.folder, self.metadata, self.shards = folder, metadata, shards
-        self.group, self.check = group, check
+        self.group, self.check, self.verify = group, check, verify
         self.error: Exception | None = None
+        self.refused: Exception | None = None
         self.reading = False
+
+    @classmethod
+    def refusing(cls, error: Exception, group: Any, path: Path) -> _Reader:
+        """The reader of a rank whose own checks failed (`error`): DCP plans nothing for it
+        (an empty state dict and metadata), and its `read_data` tells the other ranks."""
+        reader = cls(path / DCP_DIR, Metadata(state_dict_metadata={}, storage_data={}), {}, group,
+                     lambda loaded: None)
+        reader.refused = reader.error = error
+        return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         return self.metadata  # read once, without unpickling anything but DCP's metadata
@@ -650,16 +675,18 @@ class _Reader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         items: list[ReadItem] = list(plan.items)
         raw = [i for i in items if i.type == LoadItemType.BYTE_IO]
-        error: Exception | None = None
+        error: Exception | None = self.refused
         try:
-            where = [self.storage_data[i.storage_index] for i in items]
+            if error is not None:
+                raise error
+            where = [self.storage_data[i.storage_index] for i in (items if self.verify else raw)]
             _check_checksums(self.folder, {(str(w.relative_path), int(w.offset), int(w.length))
                                            for w in where}, self.shards)
             super().read_data(dataclasses.replace(plan, items=raw), planner).wait()
             self.check(planner.loaded if isinstance(planner, _Planner) else {})
         except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
             error = e
-        try:
+        try:  # the one meeting of a load: every rank's checks, before any live tensor
             agree(error, self.group, str(self.folder.parent))
         except Exception as e:
             self.error = e
