@@ -267,15 +267,8 @@ def timeout_cases(model, opt, sched, state, rank: int, out: Path) -> None:
     folder = out / "timeout"
     train(model, opt, sched, state, A)
 
-    def local():  # this rank's own tensors: no collective, unlike dump
-        params = dict(model.named_parameters())
-        return ([p.detach().to_local().clone() for p in params.values()]
-                + [p.grad.to_local().clone() for p in params.values() if p.grad is not None]
-                + [v.to_local().clone() for p in params.values() for v in opt.state[p].values()
-                   if isinstance(v, torch.Tensor) and hasattr(v, "to_local")])
-
     def attempt(case: str, call) -> None:
-        before = local()
+        before = snapshot(model, opt)  # this rank's own tensors: no collective, unlike dump
         start = time.monotonic()
         try:
             call()
@@ -283,9 +276,9 @@ def timeout_cases(model, opt, sched, state, rank: int, out: Path) -> None:
         except trainrec.RecorderError as e:
             result = {"error": type(e).__name__, "message": str(e)}
         result["seconds"] = time.monotonic() - start
-        after = local()
-        result["unchanged"] = len(before) == len(after) and all(
-            torch.equal(a, b) for a, b in zip(before, after))
+        after = snapshot(model, opt)
+        result["unchanged"] = before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before)
         (out / f"timeout-{case}-{rank}.json").write_text(json.dumps(result))
 
     def recorder():
