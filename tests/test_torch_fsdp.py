@@ -691,3 +691,21 @@ def test_verify_false_skips_the_tensor_checksums_only(one_rank, tmp_path, monkey
                        f"{trainrec_entry.offset} have CRC-32"):
         trt.DCPRecorder().load(path, model2, opt2, verify=False)
     assert _unchanged(before, model2, opt2)
+
+
+def test_a_load_right_after_an_async_save_waits_for_its_commit(one_rank, tmp_path):
+    """load did not wait for the recorder's pending async save (save did): loading the
+    checkpoint just saved was a FileMissingError, and with several ranks the load's
+    collectives ran on the group beside the commit's, in its background thread."""
+    path, _ = one_rank
+    model, opt = _two_groups()
+    trt.DCPRecorder().load(path, model, opt)
+    rec = trt.DCPRecorder()
+    future = rec.save(tmp_path / "async", model, opt, async_save=True)
+    torch.manual_seed(5)
+    model2, opt2 = _two_groups()
+    rec.load(tmp_path / "async", model2, opt2)
+    assert future.done() and future.result() == tmp_path / "async"
+    assert all(torch.equal(a, b) and torch.equal(a.grad, b.grad)
+               for a, b in zip(model.parameters(), model2.parameters()))
+    assert repr(opt.state_dict()) == repr(opt2.state_dict())

@@ -267,6 +267,9 @@ class DCPRecorder:
         reseeds). Everything is checked before the live objects change: a rejected load
         leaves them as they were.
 
+        After `save(..., async_save=True)` on this recorder, `load` first waits for that save
+        to commit (its outcome is its future's).
+
         `verify` (default True): check the CRC-32 of every entry this rank reads before
         reading any into the live state; a changed byte is then a `CorruptRecordError` and
         nothing changes. It reads those bytes twice (from the page cache the second time,
@@ -276,6 +279,8 @@ class DCPRecorder:
         (`trainrec verify DIR` checks every entry offline)."""
         if type(verify) is not bool:
             raise TypeError(f"verify must be True or False, got {verify!r}")
+        if self._pending is not None:  # an async save's commit: its collectives run on this
+            wait([self._pending])  # group, and the load may be of that very checkpoint
         # with a timeout, the ranks first meet in the group's store: a rank that never calls
         # load fails the others here, before any collective (`meet`)
         meet(self.group, self.timeout, "DCPRecorder.load", path_arg(path))
