@@ -709,3 +709,30 @@ def test_a_load_right_after_an_async_save_waits_for_its_commit(one_rank, tmp_pat
     assert all(torch.equal(a, b) and torch.equal(a.grad, b.grad)
                for a, b in zip(model.parameters(), model2.parameters()))
     assert repr(opt.state_dict()) == repr(opt2.state_dict())
+
+
+@pytest.mark.parametrize("change", [{"length": "float"}, {"offset": "float"}, {"offset": -5}])
+def test_a_dcp_metadata_entry_whose_place_is_not_byte_counts_is_refused(one_rank, change):
+    """A .metadata whose entry had length 1705.0 (the entry's checksum looked up by int())
+    passed every check, then DCP's read failed after the live tensors began to change."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    index, info = next((i, w) for i, w in meta.storage_data.items() if i.fqn == "model.2.weight")
+    fields = {k: (float(getattr(info, k)) if v == "float" else v) for k, v in change.items()}
+    meta.storage_data[index] = _StorageInfo(**{**info.__dict__, **fields})
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match=r"gives the entry in shard file '__0_0\.distcp' "
+                       r"offset .* not byte counts"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(CorruptRecordError, match="not byte counts"):
+        trainrec.read_file(path)

@@ -817,6 +817,14 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
     try:
         for info in (metadata.storage_data or {}).values():
             name = str(info.relative_path)
+            if not (type(info.offset) is int and type(info.length) is int
+                    and info.offset >= 0 and info.length >= 0):
+                # DCP slices the file with them: a float passed every check, then failed
+                # DCP's read of the tensors after some live ones had changed
+                raise CorruptRecordError(
+                    f"DCP's .metadata gives the entry in shard file {name!r} offset "
+                    f"{info.offset!r} and length {info.length!r}, not byte counts",
+                    source=str(folder))
             if not _safe_name(name):
                 raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
                                          "the checkpoint", source=str(folder))
