@@ -736,3 +736,53 @@ def test_a_dcp_metadata_entry_whose_place_is_not_byte_counts_is_refused(one_rank
     assert _unchanged(before, model, opt)
     with pytest.raises(CorruptRecordError, match="not byte counts"):
         trainrec.read_file(path)
+
+
+def _rewrite_entry(path: Path, fqn: str, value) -> None:
+    """Replace the DCP entry `fqn` of a one-rank checkpoint by `value` (a plain value that
+    torch.load(weights_only=True) reads), its checksum in the manifest too: a hand-made file."""
+    import io
+    import pickle
+    import zlib
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    index, info = next((i, w) for i, w in meta.storage_data.items() if i.fqn == fqn)
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    shard = path / "dcp" / info.relative_path
+    data = shard.read_bytes()
+    shard.write_bytes(data + blob.getvalue())
+    meta.storage_data[index] = _StorageInfo(info.relative_path, len(data), len(blob.getvalue()))
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    doc = json.loads((path / "manifest.json").read_text())
+    entry = doc["shards"][0][info.relative_path]
+    entry["size"] = len(data) + len(blob.getvalue())
+    entry["items"] = [i for i in entry["items"] if i[:2] != [info.offset, info.length]]
+    entry["items"].append([len(data), len(blob.getvalue()), zlib.crc32(blob.getvalue())])
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(("fqn", "value", "match"), [
+    ("optim.param_groups.0.lr", "abc", r"param_groups\.0\.lr: str 'abc' in the record, number live"),
+    ("optim.param_groups.0.betas", (0.9,), r"param_groups\.0\.betas"),
+    # the groups' params swapped: each group's lr went to the other group's parameters
+    ("optim.param_groups.0.params", ["2.weight", "2.bias"], r"param_groups\.0\.params: \['2\.weight'"),
+])
+def test_a_param_group_entry_that_does_not_fit_the_live_optimizer_is_refused(one_rank, fqn, value, match):
+    """DCP's param group entries went into the optimizer as they were: a hand-made file
+    (checksums right) set lr to 'abc' (the next step failed), or swapped two groups' lr
+    (the check compared the 'trainrec' entry's copy of the groups, not the ones loaded)."""
+    path, _ = one_rank
+    _rewrite_entry(path, fqn, value)
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    before = _snapshot(model, opt)
+    with pytest.raises(RecordMismatchError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    trainrec.read_file(path)  # the bytes are the ones the manifest has the checksums of

@@ -77,9 +77,9 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import Header, Item, crc32, path_arg
+from trainrec.adapter_kit import Header, Item, crc32, kind_mismatches, path_arg
 
-from .bindings import TorchLrScheduler
+from .bindings import TorchLrScheduler, encode
 from .distributed import (
     _Commit,
     _rank_world,
@@ -387,6 +387,8 @@ class DCPRecorder:
                                                         for n in manifest["grads"]}, _META: ""}
         _check_shapes(metadata, target, path)
         live_groups = _groups(osd)
+        # DCP reads the non-tensor entries into `osd` itself: the live values, kept apart
+        live_hyper = [dict(g) for g in osd.get("param_groups", ())]
 
         def check(loaded: dict[str, Any]) -> None:
             _check_meta(loaded.get(_META), manifest, path)
@@ -397,6 +399,7 @@ class DCPRecorder:
                     f"the live optimizer's {live_groups}; build the optimizer with the same "
                     "param groups as the run that saved it", key="optimizer.param_groups",
                     source=str(path))
+            _check_param_groups(loaded, live_hyper, path)
 
         return _Load(path, manifest, params, target, state, sched_record,
                      _Reader(folder, metadata, crcs, self.group, check, verify))
@@ -464,6 +467,37 @@ def refuse_unsynced_gradients(model: nn.Module) -> None:
 def _groups(osd: Any) -> list[list[str]]:
     """The parameter names of each param group of `get_state_dict`'s optimizer state dict."""
     return [sorted(str(n) for n in g.get("params", ())) for g in osd.get("param_groups", ())]
+
+
+def _check_param_groups(loaded: dict[str, Any], live: list[dict[str, Any]], path: Path) -> None:
+    """`RecordMismatchError` for the first param group entry DCP read (`optim.param_groups.
+    {i}.{key}`) that set_state_dict would give the live optimizer although it does not fit:
+    a `params` list other than the live group's (the group's hyperparameters would go to
+    other parameters) or a hyperparameter of another kind than the live one's (an lr that
+    is a str)."""
+    prefix = "optim.param_groups."
+    for name, value in sorted(loaded.items()):
+        if not name.startswith(prefix):
+            continue
+        index, _, key = name.removeprefix(prefix).partition(".")
+        at = f"optimizer.param_groups.{index}.{key}"
+        group = live[int(index)] if index.isdigit() and int(index) < len(live) else None
+        if group is None or key not in group:
+            continue  # DCP reads only the live state dict's keys: one inside a nested value
+        if key == "params":
+            fits = isinstance(value, list) and sorted(map(str, value)) == sorted(
+                map(str, group[key]))
+            problems = [] if fits else [f"{at}: {value!r:.200} in the checkpoint, "
+                                        f"{group[key]!r:.200} live"]
+        else:
+            try:
+                problems = kind_mismatches(encode(value, key), encode(group[key], key), at)
+            except (TypeError, ValueError, RecorderError) as e:
+                problems = [f"{at}: {type(value).__name__} in the checkpoint ({e})"]
+        if problems:
+            raise RecordMismatchError(
+                f"the optimizer's param group entry does not fit the live optimizer: "
+                f"{'; '.join(problems)}", key=at, source=str(path))
 
 
 def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:
