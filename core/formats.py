@@ -247,6 +247,8 @@ def resolve_directory_format(path: str | Path) -> Format:
     for fmt in known_formats():
         if not fmt.marker:
             continue
+        if not (p / fmt.marker).is_file():  # opening a FIFO would wait for a writer
+            continue
         try:
             with open(p / fmt.marker, "rb") as f:
                 head = f.read(SNIFF_BYTES)

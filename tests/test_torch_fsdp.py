@@ -786,3 +786,44 @@ def test_a_param_group_entry_that_does_not_fit_the_live_optimizer_is_refused(one
         trt.DCPRecorder().load(path, model, opt)
     assert _unchanged(before, model, opt)
     trainrec.read_file(path)  # the bytes are the ones the manifest has the checksums of
+
+
+def _unblock_later(fifo: Path, seconds: float = 10.0) -> None:
+    """Open `fifo` for writing after `seconds` (and close it): a reader blocked on it then
+    reads nothing, so a regression fails the test instead of hanging it."""
+    import threading
+    import time
+
+    def writer() -> None:
+        time.sleep(seconds)
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader waits: nothing to unblock
+            return
+        os.close(fd)
+
+    threading.Thread(target=writer, daemon=True).start()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "deep"])
+def test_a_manifest_that_is_no_regular_file_or_nested_too_deep_is_refused(one_rank, kind):
+    """manifest.json as a FIFO hung load and `trainrec verify` (both opened it, waiting for a
+    writer); nested JSON 100000 deep was a raw RecursionError."""
+    path, _ = one_rank
+    manifest = path / "manifest.json"
+    manifest.unlink()
+    if kind == "fifo":
+        os.mkfifo(manifest)
+        _unblock_later(manifest)
+    elif kind == "directory":
+        manifest.mkdir()
+    else:
+        manifest.write_text("[" * 100_000 + "]" * 100_000)
+    model, opt = _two_groups()
+    before = _snapshot(model, opt)
+    match = "unreadable manifest.json" if kind == "deep" else "manifest.json is not a regular file"
+    with pytest.raises(CorruptRecordError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(trainrec.RecorderError, match="a directory, not a record file"):
+        trainrec.read_file(path)  # trainrec verify / inspect
