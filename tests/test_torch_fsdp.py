@@ -827,3 +827,32 @@ def test_a_manifest_that_is_no_regular_file_or_nested_too_deep_is_refused(one_ra
     assert _unchanged(before, model, opt)
     with pytest.raises(trainrec.RecorderError, match="a directory, not a record file"):
         trainrec.read_file(path)  # trainrec verify / inspect
+
+
+@pytest.mark.parametrize(("chunks", "match"), [
+    (lambda c: [], r"chunks of model\.0\.weight do not cover its shape \[8, 4\] once \(0 elements"),
+    (lambda c: c + c, r"do not cover its shape \[8, 4\] once \(64 elements in 2 chunk\(s\), overlapping"),
+    (lambda c: [type(c[0])(offsets=torch.Size([4, 0]), sizes=c[0].sizes)],
+     r"gives model\.0\.weight a chunk at \[4, 0\] of \[8, 4\], outside its shape"),
+])
+def test_dcp_metadata_chunks_that_do_not_tile_a_tensor_are_refused(one_rank, chunks, match):
+    """.metadata has no checksum: with model.0.weight's chunk list emptied, DCP read nothing
+    into it and the load kept its live value beside everything else restored, without a
+    word; a chunk moved was a raw KeyError."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    entry = meta.state_dict_metadata["model.0.weight"]
+    entry.chunks = chunks(entry.chunks)
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(CorruptRecordError, match=match):
+        trainrec.read_file(path)

@@ -49,6 +49,7 @@ import dataclasses
 import datetime
 import io
 import json
+import math
 import pickle
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -61,7 +62,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -847,6 +853,7 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
     holds the bytes it points to and is one the manifest has the checksum of, of that size,
     and the reverse (`CorruptRecordError`). The bytes themselves are checked as they are read."""
     metadata = _read_metadata(folder)
+    _check_chunks(metadata, folder)
     ends: dict[str, int] = {}
     try:
         for info in (metadata.storage_data or {}).values():
@@ -883,6 +890,48 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
         raise CorruptRecordError(f"{MANIFEST} lists shard file {unread[0]}, which DCP's "
                                  ".metadata does not name", source=str(folder))
     return metadata
+
+
+_OVERLAP_CHECKED = 256  # chunks of one tensor compared pairwise up to this many
+
+
+def _check_chunks(metadata: Any, folder: Path) -> None:
+    """`CorruptRecordError` unless the chunks `.metadata` lists of every tensor entry tile it:
+    each inside the tensor, with a place in the shard files, their elements adding up to
+    the tensor's (and, up to `_OVERLAP_CHECKED` chunks, none overlapping). DCP reads what the
+    chunks cover and leaves the rest of the live tensor as it was: a tensor whose chunk
+    list was emptied loaded without a word, its live value kept."""
+    try:
+        for name, meta in metadata.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            size = [int(n) for n in meta.size]
+            boxes = []
+            for chunk in meta.chunks:
+                at, extent = [int(n) for n in chunk.offsets], [int(n) for n in chunk.sizes]
+                if not (len(at) == len(extent) == len(size) and all(
+                        0 <= o and 0 <= e and o + e <= n for o, e, n in zip(at, extent, size))):
+                    raise CorruptRecordError(
+                        f"DCP's .metadata gives {name} a chunk at {at} of {extent}, outside its "
+                        f"shape {size}", source=str(folder), key=name)
+                if MetadataIndex(name, chunk.offsets) not in metadata.storage_data:
+                    raise CorruptRecordError(
+                        f"DCP's .metadata gives {name} a chunk at {at} that is in no shard file",
+                        source=str(folder), key=name)
+                boxes.append((at, extent))
+            total = sum(math.prod(extent) for _, extent in boxes)
+            overlap = len(boxes) <= _OVERLAP_CHECKED and any(
+                all(a < c + f and c < a + e for a, e, c, f in zip(at1, ex1, at2, ex2))
+                and math.prod(ex1) and math.prod(ex2)
+                for i, (at1, ex1) in enumerate(boxes) for at2, ex2 in boxes[i + 1:])
+            if total != math.prod(size) or overlap:
+                raise CorruptRecordError(
+                    f"DCP's .metadata's chunks of {name} do not cover its shape {size} once "
+                    f"({total} elements in {len(boxes)} chunk(s)" + (", overlapping" if overlap
+                                                                    else "") + ")",
+                    source=str(folder), key=name)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CorruptRecordError(f"DCP's .metadata is malformed: {e}", source=str(folder)) from e
 
 
 def _check_shapes(metadata: Any, target: dict[str, Any], path: Path) -> None:
