@@ -403,8 +403,8 @@ _BUILTIN: tuple[Format, ...] = (
            "trainrec.adapters.torch.DCPRecorder loads it (shown: its entries' dtypes and "
            "shapes, every rank's scheduler and caller state)",
            "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata and "
-           "that every shard file holds the bytes it points to; DCP keeps no checksums, so "
-           "the shards' values are not verified",
+           "that its chunks tile every tensor, and every DCP entry's bytes against the CRC-32 "
+           "the save recorded in the manifest",
            marker="manifest.json"),
 )
 
