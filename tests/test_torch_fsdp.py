@@ -856,3 +856,22 @@ def test_dcp_metadata_chunks_that_do_not_tile_a_tensor_are_refused(one_rank, chu
     assert _unchanged(before, model, opt)
     with pytest.raises(CorruptRecordError, match=match):
         trainrec.read_file(path)
+
+
+def test_duplicate_chunks_are_refused_beyond_the_pairwise_overlap_check(one_rank, monkeypatch):
+    """Past `_OVERLAP_CHECKED` chunks (many ranks) the chunks are not compared pairwise;
+    two at one offset are still refused."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import trainrec.adapters.torch.dcp as dcp_mod
+
+    monkeypatch.setattr(dcp_mod, "_OVERLAP_CHECKED", 0)
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    entry = meta.state_dict_metadata["model.0.weight"]
+    entry.chunks = entry.chunks + entry.chunks
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CorruptRecordError, match=r"model\.0\.weight do not cover .* overlapping"):
+        trainrec.read_file(path)

@@ -892,13 +892,15 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
     return metadata
 
 
-_OVERLAP_CHECKED = 256  # chunks of one tensor compared pairwise up to this many
+_OVERLAP_CHECKED = 16  # chunks of one tensor compared pairwise up to this many (beyond:
+# no two at one offset); a load of n ranks' checkpoint checks every tensor's chunks
 
 
 def _check_chunks(metadata: Any, folder: Path) -> None:
     """`CorruptRecordError` unless the chunks `.metadata` lists of every tensor entry tile it:
     each inside the tensor, with a place in the shard files, their elements adding up to
-    the tensor's (and, up to `_OVERLAP_CHECKED` chunks, none overlapping). DCP reads what the
+    the tensor's, no two non-empty ones at one offset (and, up to `_OVERLAP_CHECKED` chunks, none
+    overlapping). DCP reads what the
     chunks cover and leaves the rest of the live tensor as it was: a tensor whose chunk
     list was emptied loaded without a word, its live value kept."""
     try:
@@ -920,7 +922,8 @@ def _check_chunks(metadata: Any, folder: Path) -> None:
                         source=str(folder), key=name)
                 boxes.append((at, extent))
             total = sum(math.prod(extent) for _, extent in boxes)
-            overlap = len(boxes) <= _OVERLAP_CHECKED and any(
+            filled = [tuple(at) for at, extent in boxes if math.prod(extent)]
+            overlap = len(set(filled)) < len(filled) or len(boxes) <= _OVERLAP_CHECKED and any(
                 all(a < c + f and c < a + e for a, e, c, f in zip(at1, ex1, at2, ex2))
                 and math.prod(ex1) and math.prod(ex2)
                 for i, (at1, ex1) in enumerate(boxes) for at2, ex2 in boxes[i + 1:])
