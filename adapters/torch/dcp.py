@@ -497,7 +497,11 @@ def _check_param_groups(loaded: dict[str, Any], live: list[dict[str, Any]], path
                                         f"{group[key]!r:.200} live"]
         else:
             try:
-                problems = kind_mismatches(encode(value, key), encode(group[key], key), at)
+                like = encode(group[key], key)
+            except (TypeError, ValueError, RecorderError):
+                continue  # a live value that is no plain data: nothing to compare with
+            try:
+                problems = kind_mismatches(encode(value, key), like, at)
             except (TypeError, ValueError, RecorderError) as e:
                 problems = [f"{at}: {type(value).__name__} in the checkpoint ({e})"]
         if problems:
