@@ -247,6 +247,8 @@ def resolve_directory_format(path: str | Path) -> Format:
     for fmt in known_formats():
         if not fmt.marker:
             continue
+        if not (p / fmt.marker).is_file():  # opening a FIFO would wait for a writer
+            continue
         try:
             with open(p / fmt.marker, "rb") as f:
                 head = f.read(SNIFF_BYTES)
@@ -401,8 +403,8 @@ _BUILTIN: tuple[Format, ...] = (
            "trainrec.adapters.torch.DCPRecorder loads it (shown: its entries' dtypes and "
            "shapes, every rank's scheduler and caller state)",
            "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata and "
-           "that every shard file holds the bytes it points to; DCP keeps no checksums, so "
-           "the shards' values are not verified",
+           "that its chunks tile every tensor, and every DCP entry's bytes against the CRC-32 "
+           "the save recorded in the manifest",
            marker="manifest.json"),
 )
 

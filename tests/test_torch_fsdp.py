@@ -691,3 +691,187 @@ def test_verify_false_skips_the_tensor_checksums_only(one_rank, tmp_path, monkey
                        f"{trainrec_entry.offset} have CRC-32"):
         trt.DCPRecorder().load(path, model2, opt2, verify=False)
     assert _unchanged(before, model2, opt2)
+
+
+def test_a_load_right_after_an_async_save_waits_for_its_commit(one_rank, tmp_path):
+    """load did not wait for the recorder's pending async save (save did): loading the
+    checkpoint just saved was a FileMissingError, and with several ranks the load's
+    collectives ran on the group beside the commit's, in its background thread."""
+    path, _ = one_rank
+    model, opt = _two_groups()
+    trt.DCPRecorder().load(path, model, opt)
+    rec = trt.DCPRecorder()
+    future = rec.save(tmp_path / "async", model, opt, async_save=True)
+    torch.manual_seed(5)
+    model2, opt2 = _two_groups()
+    rec.load(tmp_path / "async", model2, opt2)
+    assert future.done() and future.result() == tmp_path / "async"
+    assert all(torch.equal(a, b) and torch.equal(a.grad, b.grad)
+               for a, b in zip(model.parameters(), model2.parameters()))
+    assert repr(opt.state_dict()) == repr(opt2.state_dict())
+
+
+@pytest.mark.parametrize("change", [{"length": "float"}, {"offset": "float"}, {"offset": -5}])
+def test_a_dcp_metadata_entry_whose_place_is_not_byte_counts_is_refused(one_rank, change):
+    """A .metadata whose entry had length 1705.0 (the entry's checksum looked up by int())
+    passed every check, then DCP's read failed after the live tensors began to change."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    index, info = next((i, w) for i, w in meta.storage_data.items() if i.fqn == "model.2.weight")
+    fields = {k: (float(getattr(info, k)) if v == "float" else v) for k, v in change.items()}
+    meta.storage_data[index] = _StorageInfo(**{**info.__dict__, **fields})
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match=r"gives the entry in shard file '__0_0\.distcp' "
+                       r"offset .* not byte counts"):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(CorruptRecordError, match="not byte counts"):
+        trainrec.read_file(path)
+
+
+def _rewrite_entry(path: Path, fqn: str, value) -> None:
+    """Replace the DCP entry `fqn` of a one-rank checkpoint by `value` (a plain value that
+    torch.load(weights_only=True) reads), its checksum in the manifest too: a hand-made file."""
+    import io
+    import pickle
+    import zlib
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    index, info = next((i, w) for i, w in meta.storage_data.items() if i.fqn == fqn)
+    blob = io.BytesIO()
+    torch.save(value, blob)
+    shard = path / "dcp" / info.relative_path
+    data = shard.read_bytes()
+    shard.write_bytes(data + blob.getvalue())
+    meta.storage_data[index] = _StorageInfo(info.relative_path, len(data), len(blob.getvalue()))
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    doc = json.loads((path / "manifest.json").read_text())
+    entry = doc["shards"][0][info.relative_path]
+    entry["size"] = len(data) + len(blob.getvalue())
+    entry["items"] = [i for i in entry["items"] if i[:2] != [info.offset, info.length]]
+    entry["items"].append([len(data), len(blob.getvalue()), zlib.crc32(blob.getvalue())])
+    (path / "manifest.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(("fqn", "value", "match"), [
+    ("optim.param_groups.0.lr", "abc", r"param_groups\.0\.lr: str 'abc' in the record, number live"),
+    ("optim.param_groups.0.betas", (0.9,), r"param_groups\.0\.betas"),
+    # the groups' params swapped: each group's lr went to the other group's parameters
+    ("optim.param_groups.0.params", ["2.weight", "2.bias"], r"param_groups\.0\.params: \['2\.weight'"),
+])
+def test_a_param_group_entry_that_does_not_fit_the_live_optimizer_is_refused(one_rank, fqn, value, match):
+    """DCP's param group entries went into the optimizer as they were: a hand-made file
+    (checksums right) set lr to 'abc' (the next step failed), or swapped two groups' lr
+    (the check compared the 'trainrec' entry's copy of the groups, not the ones loaded)."""
+    path, _ = one_rank
+    _rewrite_entry(path, fqn, value)
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    before = _snapshot(model, opt)
+    with pytest.raises(RecordMismatchError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    trainrec.read_file(path)  # the bytes are the ones the manifest has the checksums of
+
+
+def _unblock_later(fifo: Path, seconds: float = 10.0) -> None:
+    """Open `fifo` for writing after `seconds` (and close it): a reader blocked on it then
+    reads nothing, so a regression fails the test instead of hanging it."""
+    import threading
+    import time
+
+    def writer() -> None:
+        time.sleep(seconds)
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader waits: nothing to unblock
+            return
+        os.close(fd)
+
+    threading.Thread(target=writer, daemon=True).start()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "deep"])
+def test_a_manifest_that_is_no_regular_file_or_nested_too_deep_is_refused(one_rank, kind):
+    """manifest.json as a FIFO hung load and `trainrec verify` (both opened it, waiting for a
+    writer); nested JSON 100000 deep was a raw RecursionError."""
+    path, _ = one_rank
+    manifest = path / "manifest.json"
+    manifest.unlink()
+    if kind == "fifo":
+        os.mkfifo(manifest)
+        _unblock_later(manifest)
+    elif kind == "directory":
+        manifest.mkdir()
+    else:
+        manifest.write_text("[" * 100_000 + "]" * 100_000)
+    model, opt = _two_groups()
+    before = _snapshot(model, opt)
+    match = "unreadable manifest.json" if kind == "deep" else "manifest.json is not a regular file"
+    with pytest.raises(CorruptRecordError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(trainrec.RecorderError, match="a directory, not a record file"):
+        trainrec.read_file(path)  # trainrec verify / inspect
+
+
+@pytest.mark.parametrize(("chunks", "match"), [
+    (lambda c: [], r"chunks of model\.0\.weight do not cover its shape \[8, 4\] once \(0 elements"),
+    (lambda c: c + c, r"do not cover its shape \[8, 4\] once \(64 elements in 2 chunk\(s\), overlapping"),
+    (lambda c: [type(c[0])(offsets=torch.Size([4, 0]), sizes=c[0].sizes)],
+     r"gives model\.0\.weight a chunk at \[4, 0\] of \[8, 4\], outside its shape"),
+])
+def test_dcp_metadata_chunks_that_do_not_tile_a_tensor_are_refused(one_rank, chunks, match):
+    """.metadata has no checksum: with model.0.weight's chunk list emptied, DCP read nothing
+    into it and the load kept its live value beside everything else restored, without a
+    word; a chunk moved was a raw KeyError."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    entry = meta.state_dict_metadata["model.0.weight"]
+    entry.chunks = chunks(entry.chunks)
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    torch.manual_seed(1)
+    model, opt = _two_groups()
+    before = _snapshot(model, opt)
+    with pytest.raises(CorruptRecordError, match=match):
+        trt.DCPRecorder().load(path, model, opt)
+    assert _unchanged(before, model, opt)
+    with pytest.raises(CorruptRecordError, match=match):
+        trainrec.read_file(path)
+
+
+def test_duplicate_chunks_are_refused_beyond_the_pairwise_overlap_check(one_rank, monkeypatch):
+    """Past `_OVERLAP_CHECKED` chunks (many ranks) the chunks are not compared pairwise;
+    two at one offset are still refused."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import trainrec.adapters.torch.dcp as dcp_mod
+
+    monkeypatch.setattr(dcp_mod, "_OVERLAP_CHECKED", 0)
+    path, _ = one_rank
+    meta = FileSystemReader(str(path / "dcp")).read_metadata()
+    entry = meta.state_dict_metadata["model.0.weight"]
+    entry.chunks = entry.chunks + entry.chunks
+    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CorruptRecordError, match=r"model\.0\.weight do not cover .* overlapping"):
+        trainrec.read_file(path)

@@ -49,6 +49,7 @@ import dataclasses
 import datetime
 import io
 import json
+import math
 import pickle
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -61,7 +62,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -77,9 +83,9 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import Header, Item, crc32, path_arg
+from trainrec.adapter_kit import Header, Item, crc32, kind_mismatches, path_arg
 
-from .bindings import TorchLrScheduler
+from .bindings import TorchLrScheduler, encode
 from .distributed import (
     _Commit,
     _rank_world,
@@ -267,6 +273,9 @@ class DCPRecorder:
         reseeds). Everything is checked before the live objects change: a rejected load
         leaves them as they were.
 
+        After `save(..., async_save=True)` on this recorder, `load` first waits for that save
+        to commit (its outcome is its future's).
+
         `verify` (default True): check the CRC-32 of every entry this rank reads before
         reading any into the live state; a changed byte is then a `CorruptRecordError` and
         nothing changes. It reads those bytes twice (from the page cache the second time,
@@ -276,6 +285,8 @@ class DCPRecorder:
         (`trainrec verify DIR` checks every entry offline)."""
         if type(verify) is not bool:
             raise TypeError(f"verify must be True or False, got {verify!r}")
+        if self._pending is not None:  # an async save's commit: its collectives run on this
+            wait([self._pending])  # group, and the load may be of that very checkpoint
         # with a timeout, the ranks first meet in the group's store: a rank that never calls
         # load fails the others here, before any collective (`meet`)
         meet(self.group, self.timeout, "DCPRecorder.load", path_arg(path))
@@ -382,6 +393,8 @@ class DCPRecorder:
                                                         for n in manifest["grads"]}, _META: ""}
         _check_shapes(metadata, target, path)
         live_groups = _groups(osd)
+        # DCP reads the non-tensor entries into `osd` itself: the live values, kept apart
+        live_hyper = [dict(g) for g in osd.get("param_groups", ())]
 
         def check(loaded: dict[str, Any]) -> None:
             _check_meta(loaded.get(_META), manifest, path)
@@ -392,6 +405,7 @@ class DCPRecorder:
                     f"the live optimizer's {live_groups}; build the optimizer with the same "
                     "param groups as the run that saved it", key="optimizer.param_groups",
                     source=str(path))
+            _check_param_groups(loaded, live_hyper, path)
 
         return _Load(path, manifest, params, target, state, sched_record,
                      _Reader(folder, metadata, crcs, self.group, check, verify))
@@ -459,6 +473,41 @@ def refuse_unsynced_gradients(model: nn.Module) -> None:
 def _groups(osd: Any) -> list[list[str]]:
     """The parameter names of each param group of `get_state_dict`'s optimizer state dict."""
     return [sorted(str(n) for n in g.get("params", ())) for g in osd.get("param_groups", ())]
+
+
+def _check_param_groups(loaded: dict[str, Any], live: list[dict[str, Any]], path: Path) -> None:
+    """`RecordMismatchError` for the first param group entry DCP read (`optim.param_groups.
+    {i}.{key}`) that set_state_dict would give the live optimizer although it does not fit:
+    a `params` list other than the live group's (the group's hyperparameters would go to
+    other parameters) or a hyperparameter of another kind than the live one's (an lr that
+    is a str)."""
+    prefix = "optim.param_groups."
+    for name, value in sorted(loaded.items()):
+        if not name.startswith(prefix):
+            continue
+        index, _, key = name.removeprefix(prefix).partition(".")
+        at = f"optimizer.param_groups.{index}.{key}"
+        group = live[int(index)] if index.isdigit() and int(index) < len(live) else None
+        if group is None or key not in group:
+            continue  # DCP reads only the live state dict's keys: one inside a nested value
+        if key == "params":
+            fits = isinstance(value, list) and sorted(map(str, value)) == sorted(
+                map(str, group[key]))
+            problems = [] if fits else [f"{at}: {value!r:.200} in the checkpoint, "
+                                        f"{group[key]!r:.200} live"]
+        else:
+            try:
+                like = encode(group[key], key)
+            except (TypeError, ValueError, RecorderError):
+                continue  # a live value that is no plain data: nothing to compare with
+            try:
+                problems = kind_mismatches(encode(value, key), like, at)
+            except (TypeError, ValueError, RecorderError) as e:
+                problems = [f"{at}: {type(value).__name__} in the checkpoint ({e})"]
+        if problems:
+            raise RecordMismatchError(
+                f"the optimizer's param group entry does not fit the live optimizer: "
+                f"{'; '.join(problems)}", key=at, source=str(path))
 
 
 def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:
@@ -808,10 +857,19 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
     holds the bytes it points to and is one the manifest has the checksum of, of that size,
     and the reverse (`CorruptRecordError`). The bytes themselves are checked as they are read."""
     metadata = _read_metadata(folder)
+    _check_chunks(metadata, folder)
     ends: dict[str, int] = {}
     try:
         for info in (metadata.storage_data or {}).values():
             name = str(info.relative_path)
+            if not (type(info.offset) is int and type(info.length) is int
+                    and info.offset >= 0 and info.length >= 0):
+                # DCP slices the file with them: a float passed every check, then failed
+                # DCP's read of the tensors after some live ones had changed
+                raise CorruptRecordError(
+                    f"DCP's .metadata gives the entry in shard file {name!r} offset "
+                    f"{info.offset!r} and length {info.length!r}, not byte counts",
+                    source=str(folder))
             if not _safe_name(name):
                 raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
                                          "the checkpoint", source=str(folder))
@@ -836,6 +894,51 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
         raise CorruptRecordError(f"{MANIFEST} lists shard file {unread[0]}, which DCP's "
                                  ".metadata does not name", source=str(folder))
     return metadata
+
+
+_OVERLAP_CHECKED = 16  # chunks of one tensor compared pairwise up to this many (beyond:
+# no two at one offset); a load of n ranks' checkpoint checks every tensor's chunks
+
+
+def _check_chunks(metadata: Any, folder: Path) -> None:
+    """`CorruptRecordError` unless the chunks `.metadata` lists of every tensor entry tile it:
+    each inside the tensor, with a place in the shard files, their elements adding up to
+    the tensor's, no two non-empty ones at one offset (and, up to `_OVERLAP_CHECKED` chunks, none
+    overlapping). DCP reads what the
+    chunks cover and leaves the rest of the live tensor as it was: a tensor whose chunk
+    list was emptied loaded without a word, its live value kept."""
+    try:
+        for name, meta in metadata.state_dict_metadata.items():
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            size = [int(n) for n in meta.size]
+            boxes = []
+            for chunk in meta.chunks:
+                at, extent = [int(n) for n in chunk.offsets], [int(n) for n in chunk.sizes]
+                if not (len(at) == len(extent) == len(size) and all(
+                        0 <= o and 0 <= e and o + e <= n for o, e, n in zip(at, extent, size))):
+                    raise CorruptRecordError(
+                        f"DCP's .metadata gives {name} a chunk at {at} of {extent}, outside its "
+                        f"shape {size}", source=str(folder), key=name)
+                if MetadataIndex(name, chunk.offsets) not in metadata.storage_data:
+                    raise CorruptRecordError(
+                        f"DCP's .metadata gives {name} a chunk at {at} that is in no shard file",
+                        source=str(folder), key=name)
+                boxes.append((at, extent))
+            total = sum(math.prod(extent) for _, extent in boxes)
+            filled = [tuple(at) for at, extent in boxes if math.prod(extent)]
+            overlap = len(set(filled)) < len(filled) or len(boxes) <= _OVERLAP_CHECKED and any(
+                all(a < c + f and c < a + e for a, e, c, f in zip(at1, ex1, at2, ex2))
+                and math.prod(ex1) and math.prod(ex2)
+                for i, (at1, ex1) in enumerate(boxes) for at2, ex2 in boxes[i + 1:])
+            if total != math.prod(size) or overlap:
+                raise CorruptRecordError(
+                    f"DCP's .metadata's chunks of {name} do not cover its shape {size} once "
+                    f"({total} elements in {len(boxes)} chunk(s)" + (", overlapping" if overlap
+                                                                    else "") + ")",
+                    source=str(folder), key=name)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CorruptRecordError(f"DCP's .metadata is malformed: {e}", source=str(folder)) from e
 
 
 def _check_shapes(metadata: Any, target: dict[str, Any], path: Path) -> None:

@@ -758,12 +758,14 @@ def read_manifest(
     if not path.is_dir():
         raise FileMissingError(f"no committed {recorder} checkpoint here (a save commits its "
                                "directory by renaming it into place)", source=str(path))
+    if file.exists() and not file.is_file():  # a FIFO blocked the read; /dev/zero never ended
+        raise CorruptRecordError(f"{MANIFEST} is not a regular file", source=str(file))
     try:
         doc = json.loads(file.read_bytes())
     except FileNotFoundError:
         raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
                                  f"{recorder} committed", source=str(path)) from None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
     other = doc.get("format") if isinstance(doc, dict) else None
     if other != fmt and other in _OTHER_FORMATS:
