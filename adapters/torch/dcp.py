@@ -24,9 +24,9 @@ checkpoint is complete; a rank that fails or dies mid-save leaves earlier checkp
 they were.
 
 A load is collective too (`dcp.load` plans with the other ranks). Every rank checks what
-it can first, and the ranks agree; inside DCP's read each rank checks the CRC-32 of every
-entry it reads and the non-tensor entries (unpickled as plain values only), and the ranks
-agree again; only then does DCP read the tensors, in place, into the live state (as a
+it can first; in DCP's planning step each rank checks the CRC-32 of every entry it will
+read and the non-tensor entries (unpickled as plain values only), and DCP raises any
+rank's failure on every rank; only then does DCP read the tensors, in place, into the live state (as a
 plain `dcp.load` does), so a rejected load changes nothing on any rank. Model, optimizer
 and pending gradients are read into the live run's own sharding, so a checkpoint of n
 ranks loads into m ranks with every value unchanged (resharding). The scheduler is
@@ -90,7 +90,6 @@ from .distributed import (
     _Commit,
     _rank_world,
     _safe_name,
-    agree,
     meet,
     read_manifest,
     timeout_seconds,
@@ -299,8 +298,8 @@ class DCPRecorder:
             if _rank_world(self.group)[1] == 1:
                 raise
             # a rank that cannot load still takes part in DCP's collectives, with nothing
-            # to read, and tells the others in `_Reader.read_data`'s agreement (one round)
-            # instead of leaving them waiting there until the group's timeout
+            # to read, and fails DCP's planning step (`_Reader.prepare_local_plan`), which
+            # DCP tells every rank, instead of leaving them waiting until the group's timeout
             reader = _Reader.refusing(e, self.group, Path(path_arg(path)))
         try:
             dcp_load({} if plan is None else plan.target, storage_reader=reader,
@@ -308,6 +307,12 @@ class DCPRecorder:
         except (Exception, CheckpointException) as e:  # the latter is a BaseException
             if reader.error is not None:
                 raise reader.error from None  # a check refused it: nothing was read
+            refused = _refused_elsewhere(e)
+            if refused is not None and not reader.reading:
+                rank, error = refused
+                raise RecorderError(f"rank {rank} could not load its part of the checkpoint "
+                                    f"({type(error).__name__}: {error}); no rank restores "
+                                    "from it", source=str(reader.folder.parent)) from None
             if reader.reading:
                 raise RecorderError(
                     "torch.distributed.checkpoint failed while reading the tensors, after every "
@@ -694,11 +699,13 @@ def _well_formed_shards(doc: dict[str, Any]) -> bool:
 class _Reader(FileSystemReader):
     """DCP's file reader, in two passes, so that a rejected load changes nothing live.
 
-    First every entry this rank reads (`verify=False`: every non-tensor entry) is checked
-    against the CRC-32 the save recorded of its bytes, the non-tensor entries are read (into the target tree, not the live objects)
-    and `check`ed, and the ranks tell each other how that went. Only when every rank is
-    content are the tensors read, into the live state. `error` keeps what refused the load
-    (DCP wraps it in a `CheckpointException`); `reading` says the second pass began."""
+    In DCP's planning step (`prepare_local_plan`), every entry this rank will read
+    (`verify=False`: every non-tensor entry) is checked against the CRC-32 the save
+    recorded of its bytes, and the non-tensor entries are unpickled as plain values and
+    `check`ed; DCP gathers every rank's failure and raises it on every rank before any
+    reads. Only then are the entries read, the tensors into the live state. `error` keeps
+    what refused the load on this rank (DCP wraps it in a `CheckpointException`);
+    `reading` says the second pass began."""
 
     def __init__(self, folder: Path, metadata: Any, shards: dict[str, dict[tuple[int, int], int]],
                  group: Any, check: Callable[[dict[str, Any]], None], verify: bool = True) -> None:
@@ -721,29 +728,53 @@ class _Reader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         return self.metadata  # read once, without unpickling anything but DCP's metadata
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        items: list[ReadItem] = list(plan.items)
-        raw = [i for i in items if i.type == LoadItemType.BYTE_IO]
-        error: Exception | None = self.refused
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """DCP calls this on every rank with what the rank will read, in its planning step,
+        whose failures DCP gathers and raises on every rank before any rank reads: the
+        checks go here, and need no round of their own."""
         try:
-            if error is not None:
-                raise error
+            if self.refused is not None:
+                raise self.refused
+            items: list[ReadItem] = list(plan.items)
+            raw = [i for i in items if i.type == LoadItemType.BYTE_IO]
             where = [self.storage_data[i.storage_index] for i in (items if self.verify else raw)]
             _check_checksums(self.folder, {(str(w.relative_path), int(w.offset), int(w.length))
                                            for w in where}, self.shards)
-            super().read_data(dataclasses.replace(plan, items=raw), planner).wait()
-            self.check(planner.loaded if isinstance(planner, _Planner) else {})
-        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised
-            error = e
-        try:  # the one meeting of a load: every rank's checks, before any live tensor
-            agree(error, self.group, str(self.folder.parent))
+            self.check({i.dest_index.fqn: self._plain_value(i) for i in raw})
         except Exception as e:
-            self.error = e
+            self.error = e  # DCP raises a CheckpointException; `load` raises this instead
             raise
-        self.reading = True
-        return super().read_data(
-            dataclasses.replace(plan, items=[i for i in items if i.type != LoadItemType.BYTE_IO]),
-            planner)
+        return super().prepare_local_plan(plan)
+
+    def _plain_value(self, item: ReadItem) -> Any:
+        """The non-tensor entry `item`, unpickled as plain values only."""
+        where = self.storage_data[item.storage_index]
+        with open(self.folder / str(where.relative_path), "rb") as f:
+            f.seek(int(where.offset))
+            data = f.read(int(where.length))
+        return _plain_load(io.BytesIO(data), item.dest_index.fqn)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        self.reading = True  # every rank's checks passed: now into the live state
+        return super().read_data(plan, planner)
+
+
+def _refused_elsewhere(error: BaseException) -> tuple[int, BaseException] | None:
+    """The first rank that failed, and its error, of DCP's `CheckpointException`, or None."""
+    failures = getattr(error, "failures", None) if isinstance(error, CheckpointException) else None
+    for rank, wrapped in sorted((failures or {}).items()):
+        return rank, (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+    return None
+
+
+def _plain_load(value: io.BytesIO, name: str) -> Any:
+    """A DCP non-tensor entry's value, unpickled by `torch.load(weights_only=True)`."""
+    try:
+        return torch.load(value, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler raises anything
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CorruptRecordError(f"the DCP entry {name!r} holds something other than plain "
+                                 f"values, refused unread ({reason})", key=name) from e
 
 
 class _Planner(DefaultLoadPlanner):
@@ -756,14 +787,8 @@ class _Planner(DefaultLoadPlanner):
         self.loaded: dict[str, Any] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        name = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - the unpickler raises anything
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CorruptRecordError(f"the DCP entry {name!r} holds something other than plain "
-                                     f"values, refused unread ({reason})", key=name) from e
-        self.loaded[name] = obj
+        obj = _plain_load(value, read_item.dest_index.fqn)
+        self.loaded[read_item.dest_index.fqn] = obj
         safe = io.BytesIO()
         torch.save(obj, safe)  # DCP unpickles this, made from the checked value
         safe.seek(0)
