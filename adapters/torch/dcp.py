@@ -715,6 +715,7 @@ class _Reader(FileSystemReader):
         self.error: Exception | None = None
         self.refused: Exception | None = None
         self.reading = False
+        self.plain: dict[str, Any] = {}  # the non-tensor entries, checked, for `_Planner`
 
     @classmethod
     def refusing(cls, error: Exception, group: Any, path: Path) -> _Reader:
@@ -740,22 +741,32 @@ class _Reader(FileSystemReader):
             where = [self.storage_data[i.storage_index] for i in (items if self.verify else raw)]
             _check_checksums(self.folder, {(str(w.relative_path), int(w.offset), int(w.length))
                                            for w in where}, self.shards)
-            self.check({i.dest_index.fqn: self._plain_value(i) for i in raw})
+            self.plain = self._plain_values(raw)
+            self.check(self.plain)
         except Exception as e:
             self.error = e  # DCP raises a CheckpointException; `load` raises this instead
             raise
         return super().prepare_local_plan(plan)
 
-    def _plain_value(self, item: ReadItem) -> Any:
-        """The non-tensor entry `item`, unpickled as plain values only."""
-        where = self.storage_data[item.storage_index]
-        with open(self.folder / str(where.relative_path), "rb") as f:
-            f.seek(int(where.offset))
-            data = f.read(int(where.length))
-        return _plain_load(io.BytesIO(data), item.dest_index.fqn)
+    def _plain_values(self, items: list[ReadItem]) -> dict[str, Any]:
+        """The non-tensor entries `items` by name, unpickled as plain values only."""
+        out: dict[str, Any] = {}
+        files: dict[str, list[ReadItem]] = {}
+        for item in items:
+            files.setdefault(str(self.storage_data[item.storage_index].relative_path), []).append(item)
+        for name, some in files.items():
+            with open(self.folder / name, "rb") as f:
+                for item in some:
+                    where = self.storage_data[item.storage_index]
+                    f.seek(int(where.offset))
+                    out[item.dest_index.fqn] = _plain_load(io.BytesIO(f.read(int(where.length))),
+                                                           item.dest_index.fqn)
+        return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         self.reading = True  # every rank's checks passed: now into the live state
+        if isinstance(planner, _Planner):
+            planner.plain = self.plain
         return super().read_data(plan, planner)
 
 
@@ -777,18 +788,29 @@ def _plain_load(value: io.BytesIO, name: str) -> Any:
                                  f"values, refused unread ({reason})", key=name) from e
 
 
+try:  # where DefaultLoadPlanner.load_bytes puts a value (torch 2.2 to 2.13)
+    from torch.distributed.checkpoint._traverse import set_element as _set_element
+except ImportError:  # pragma: no cover - then the value is pickled again for DCP's own
+    _set_element = None  # type: ignore[assignment]
+
+
 class _Planner(DefaultLoadPlanner):
-    """DCP's default load planner, unpickling the non-tensor entries with
-    `torch.load(weights_only=True)` (DCP's own uses `weights_only=False`, which runs
-    whatever a hostile file holds) and keeping them by name for `_Reader`'s check."""
+    """DCP's default load planner, whose non-tensor entries are the values `_Reader`
+    unpickled with `torch.load(weights_only=True)` and checked (DCP's own `load_bytes`
+    uses `weights_only=False`, which runs whatever a hostile file holds)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.loaded: dict[str, Any] = {}
+        self.plain: dict[str, Any] = {}  # set by `_Reader`: the entries it unpickled and checked
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = _plain_load(value, read_item.dest_index.fqn)
-        self.loaded[read_item.dest_index.fqn] = obj
+        name = read_item.dest_index.fqn
+        # the value `_Reader` checked, not DCP's second read of its bytes (a file changed
+        # in between cannot bring another value in)
+        obj = self.plain[name] if name in self.plain else _plain_load(value, name)
+        if _set_element is not None and self.flatten_state_dict:
+            _set_element(self.original_state_dict, self.mappings[name], obj)
+            return
         safe = io.BytesIO()
         torch.save(obj, safe)  # DCP unpickles this, made from the checked value
         safe.seek(0)
