@@ -31,7 +31,7 @@ MODE (checkpoints under OUT/ckpt{WORLD}):
   this rank's shards, gradients and optimizer state stayed as they were).
 - `M1+M2`: M1, then M2 in fresh objects (one process start for both).
 - `damaged`, 2 ranks: copies of step-A with one byte of rank 1's shard file flipped, and
-  with rank 1's part cut short; each rank, mid-window with optimizer state, loads them and
+  with rank 1's part cut short, and a sound copy loaded with `verify=1` on rank 1; each rank, mid-window with optimizer state, loads them and
   writes damaged-{shard,part}-RANK.txt: its error and whether its live parameters,
   gradients and optimizer state stayed as they were.
 - `reshard:N:S`: wait (up to 2 min) for OUT/ckptN/step-S (saved by N ranks, maybe by a
@@ -210,13 +210,15 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
             train(model, opt, sched, state, STEPS)
             dump(model, opt, sched, state, out / f"resumed{world}-{step}-{rank}.pt")
     elif mode == "damaged":
-        # one byte of rank 1's shard file flipped, or rank 1's part cut short: every rank
-        # refuses before any changes (and none waits for the others until the timeout)
+        # one byte of rank 1's shard file flipped, rank 1's part cut short, or verify=1 on
+        # rank 1 only (API misuse on one rank): every rank refuses before any changes (and
+        # none waits for the others until the timeout)
         train(model, opt, sched, state, A + 1)  # pending gradients and optimizer state, live
-        for damage in ("shard", "part"):
+        for damage in ("shard", "part", "misuse"):
             path = out / f"damaged{world}-{damage}"
             if rank == 0:
                 shutil.copytree(ckpt / f"step-{A:08d}", path)
+            if rank == 0 and damage != "misuse":
                 file = path / ("dcp/__1_0.distcp" if damage == "shard" else "rank-00001-of-00002.mpk")
                 data = bytearray(file.read_bytes())
                 if damage == "shard":  # inside rank 1's shard of a parameter: only it reads it
@@ -230,10 +232,11 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
                 file.write_bytes(bytes(data))
             dist.barrier()
             before = snapshot(model, opt)
+            verify = 1 if damage == "misuse" and rank == 1 else True  # a bool is asked for
             try:
-                trt.DCPRecorder().load(path, model, opt, sched, state_type=State)
+                trt.DCPRecorder().load(path, model, opt, sched, state_type=State, verify=verify)
                 outcome = "loaded"
-            except trainrec.RecorderError as e:
+            except (trainrec.RecorderError, TypeError) as e:
                 outcome = f"{type(e).__name__}: {e}"
             after = snapshot(model, opt)
             unchanged = before.keys() == after.keys() and all(

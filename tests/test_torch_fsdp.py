@@ -117,11 +117,13 @@ def test_another_world_size_reshards_model_optimizer_and_gradients_unchanged(run
               r"offset \d+ have CRC-32 [0-9a-f]{8}, the save wrote [0-9a-f]{8}"),
     # rank 1 refused before DCP's collectives, and rank 0 waited in them until the timeout
     ("part", r"CorruptRecordError: .*rank-00001-of-00002\.mpk"),
+    # misuse on rank 1 only (verify=1): raised there before the ranks met, the same wait
+    ("misuse", r"TypeError: verify must be True or False, got 1"),
 ])
 def test_one_rank_s_damaged_file_is_refused_on_every_rank_before_any_changes(runs, damage, error):
     """Rank 1 raises what is wrong; rank 0, whose files are sound, raises naming rank 1,
     before reading any tensor; neither rank's live state changed."""
-    one = (runs / f"damaged-{damage}-1.txt").read_text()
+    one = (runs / f"damaged-{damage}-1.txt").read_text()  # TypeError, misuse: raised as is
     zero = (runs / f"damaged-{damage}-0.txt").read_text()
     assert one.startswith("unchanged=True\n") and re.search(error, one), one
     assert zero.startswith("unchanged=True\nRecorderError: rank 1 could not load its part of "

@@ -281,14 +281,16 @@ class DCPRecorder:
         when they fit). `verify=False` checks only the non-tensor entries' and trusts the
         tensors' bytes, as a plain `dcp.load` does: a changed byte inside a tensor then
         loads as a wrong value, or fails DCP's read after some live tensors changed
-        (`trainrec verify DIR` checks every entry offline)."""
-        if type(verify) is not bool:
-            raise TypeError(f"verify must be True or False, got {verify!r}")
+        (`trainrec verify DIR` checks every entry offline).
+
+        What is wrong on one rank only (its part, its arguments) is raised on that rank and,
+        naming it, on every other rank: none waits for it until the group's timeout."""
         if self._pending is not None:  # an async save's commit: its collectives run on this
             wait([self._pending])  # group, and the load may be of that very checkpoint
         # with a timeout, the ranks first meet in the group's store: a rank that never calls
         # load fails the others here, before any collective (`meet`)
-        meet(self.group, self.timeout, "DCPRecorder.load", path_arg(path))
+        where = Path(str(path))  # for messages: `_prepare` checks the argument itself
+        meet(self.group, self.timeout, "DCPRecorder.load", where)
         plan: _Load | None = None
         try:
             plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state,
@@ -300,7 +302,7 @@ class DCPRecorder:
             # a rank that cannot load still takes part in DCP's collectives, with nothing
             # to read, and fails DCP's planning step (`_Reader.prepare_local_plan`), which
             # DCP tells every rank, instead of leaving them waiting until the group's timeout
-            reader = _Reader.refusing(e, self.group, Path(path_arg(path)))
+            reader = _Reader.refusing(e, self.group, where)
         try:
             dcp_load({} if plan is None else plan.target, storage_reader=reader,
                      planner=_Planner(), process_group=self.group)
@@ -339,6 +341,8 @@ class DCPRecorder:
         state and scheduler rebuilt, DCP's metadata against the live shapes; and what DCP
         reads into (the live tensors themselves: the state dicts hold them, and each
         pending .grad, as a plain dcp.load does; `_Reader` reads only after its checks)."""
+        if type(verify) is not bool:
+            raise TypeError(f"verify must be True or False, got {verify!r}")
         path = path_arg(path)
         _check_objects(model, optimizer, scheduler)
         manifest = _read_manifest(path)
