@@ -349,22 +349,19 @@ def _sniff_manifest(name: str) -> Callable[[bytes], bool]:
     return lambda head: head.lstrip().startswith(b"{") and want in head
 
 
-def _read_distributed(path: Path, mmap: bool) -> tuple[Header, Item]:
-    try:
-        from trainrec.adapters.torch.distributed import read_distributed
-    except ImportError as e:
-        raise RecorderError(f"reading a trainrec.distributed checkpoint needs torch ({e}): "
-                            "pip install 'trainrec[torch]'", source=str(path)) from e
-    return read_distributed(path, mmap)
+def _torch_reader(fmt: str, module: str, name: str) -> Callable[[Path, bool], tuple[Header, Item]]:
+    """The reader `name` of the torch adapter's `module`, imported when first used
+    (`RecorderError` naming the extra without torch)."""
+    def read(path: Path, mmap: bool) -> tuple[Header, Item]:
+        try:
+            reader = getattr(importlib.import_module(module), name)
+        except ImportError as e:
+            raise RecorderError(f"reading a {fmt} checkpoint needs torch ({e}): "
+                                "pip install 'trainrec[torch]'", source=str(path)) from e
+        result: tuple[Header, Item] = reader(path, mmap)
+        return result
+    return read
 
-
-def _read_dcp(path: Path, mmap: bool) -> tuple[Header, Item]:
-    try:
-        from trainrec.adapters.torch.dcp import read_dcp
-    except ImportError as e:
-        raise RecorderError(f"reading a trainrec.dcp checkpoint needs torch ({e}): "
-                            "pip install 'trainrec[torch]'", source=str(path)) from e
-    return read_dcp(path, mmap)
 
 
 _BUILTIN: tuple[Format, ...] = (
@@ -391,13 +388,16 @@ _BUILTIN: tuple[Format, ...] = (
            "the JSON item's checksum (header, structure, scalars, tensor table), Orbax's "
            "array metadata against the table, and every tensor checksum",
            marker="trainrec/metadata"),
-    Format("trainrec.distributed", (), _sniff_manifest("trainrec.distributed"), _read_distributed,
+    Format("trainrec.distributed", (), _sniff_manifest("trainrec.distributed"),
+           _torch_reader("trainrec.distributed", "trainrec.adapters.torch.distributed",
+                         "read_distributed"),
            "trainrec.adapters.torch.distributed:DistributedRecorder",
            "a DDP checkpoint directory: trainrec.adapters.torch.DistributedRecorder reads it "
            "(shown: rank 0's view)",
            "the manifest, and every rank's part: its checksums, rank and save id",
            marker="manifest.json"),
-    Format("trainrec.dcp", (), _sniff_manifest("trainrec.dcp"), _read_dcp,
+    Format("trainrec.dcp", (), _sniff_manifest("trainrec.dcp"),
+           _torch_reader("trainrec.dcp", "trainrec.adapters.torch.dcp", "read_dcp"),
            "trainrec.adapters.torch.dcp:DCPRecorder",
            "a sharded (FSDP2) checkpoint directory of torch.distributed.checkpoint: "
            "trainrec.adapters.torch.DCPRecorder loads it (shown: its entries' dtypes and "

@@ -82,6 +82,7 @@ from trainrec.adapter_kit import (
     reader_of,
     restore_dtypes,
     store_tensor,
+    verify_checksums,
 )
 
 __all__ = ["OrbaxRecorder", "FORMAT", "VERSION", "read_orbax", "MAX_JSON_BYTES", "shardings_of"]
@@ -718,14 +719,8 @@ def _check_crc(part: TensorData, crc: int, at: ShardIndex, source: str, key: str
 def _verify(item: Item, checksums: Any, sharded: dict[int, Any], source: str) -> None:
     """Each whole tensor against its CRC-32 in `checksums` (one entry per tensor, in
     order; a tensor saved from shards was checked shard by shard)."""
-    found = list(iter_tensors(item))
-    if not isinstance(checksums, list) or len(checksums) != len(found):
-        raise CorruptRecordError(
-            f"the checksum table does not match the tensors (a list of {len(found)} "
-            f"CRC-32 values, one per tensor in order)", source=source, key="checksums")
-    if not all(type(v) is int and 0 <= v <= 0xFFFFFFFF for v in checksums):
-        raise CorruptRecordError("malformed checksum table", source=source, key="checksums")
-    for i, ((key, t), stored) in enumerate(zip(found, checksums)):
+    verify_checksums(item, checksums, source, recompute=False)  # the table's shape
+    for i, ((key, t), stored) in enumerate(zip(iter_tensors(item), checksums)):
         got = None if i in sharded else crc32(_bytes_of(t))
         if got is not None and got != stored:
             raise ChecksumError(f"tensor checksum mismatch (stored {stored:#010x}, computed "

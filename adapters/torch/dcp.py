@@ -50,6 +50,7 @@ import datetime
 import io
 import json
 import math
+import os
 import pickle
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -634,12 +635,14 @@ def _checksums(folder: Path, items: Iterable[tuple[str, int, int]]) -> dict[str,
     """{file: {"size": bytes, "items": [[offset, length, CRC-32], ...]}} of the entries
     `items` (file, offset, length) this rank wrote into `folder`."""
     buffer = memoryview(bytearray(_CHUNK))
-    out: dict[str, Any] = {}
+    by_file: dict[str, list[tuple[int, int]]] = {}
     for name, offset, length in sorted(set(items)):
-        with open(folder / name, "rb", buffering=0) as f:
-            crc = _range_crc(f, offset, length, buffer)
-        entry = out.setdefault(name, {"size": (folder / name).stat().st_size, "items": []})
-        entry["items"].append([offset, length, crc])
+        by_file.setdefault(name, []).append((offset, length))
+    out: dict[str, Any] = {}
+    for name, entries in by_file.items():
+        with open(folder / name, "rb", buffering=0) as f:  # once a file, not once an entry
+            out[name] = {"size": os.fstat(f.fileno()).st_size,
+                         "items": [[o, n, _range_crc(f, o, n, buffer)] for o, n in entries]}
     return out
 
 
