@@ -27,7 +27,9 @@ A load is collective too (`dcp.load` plans with the other ranks). Every rank che
 it can first; in DCP's planning step each rank checks the CRC-32 of every entry it will
 read and the non-tensor entries (unpickled as plain values only), and DCP raises any
 rank's failure on every rank; only then does DCP read the tensors, in place, into the live state (as a
-plain `dcp.load` does), so a rejected load changes nothing on any rank. Model, optimizer
+plain `dcp.load` does; an entry whose bytes are exactly its live CPU tensor's is read
+straight into it, without DCP's new tensor and copy), so a rejected load changes nothing on
+any rank. Model, optimizer
 and pending gradients are read into the live run's own sharding, so a checkpoint of n
 ranks loads into m ranks with every value unchanged (resharding). The scheduler is
 replicated (the same on every rank). The caller's state is each rank's own, and nothing maps
@@ -52,11 +54,12 @@ import json
 import math
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 from torch import nn
@@ -74,6 +77,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.utils import _create_file_view
 
 import trainrec
 from trainrec import (
@@ -723,6 +727,7 @@ class _Reader(FileSystemReader):
         self.refused: Exception | None = None
         self.reading = False
         self.plain: dict[str, Any] = {}  # the non-tensor entries, checked, for `_Planner`
+        self.direct = 0  # entries the last read put straight into live tensors
 
     @classmethod
     def refusing(cls, error: Exception, group: Any, path: Path) -> _Reader:
@@ -771,10 +776,167 @@ class _Reader(FileSystemReader):
         return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        """DCP's read, except that a tensor entry whose bytes are exactly its live target's
+        (`_read_in_place`) is read straight into it, where DCP would `torch.load` it into a
+        new tensor and copy that; and that the non-tensor entries are the values checked
+        in the planning step, not read again."""
         self.reading = True  # every rank's checks passed: now into the live state
         if isinstance(planner, _Planner):
             planner.plain = self.plain
-        return super().read_data(plan, planner)
+        rest: list[ReadItem] = []
+        files: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                if isinstance(planner, _Planner) and item.dest_index.fqn in self.plain:
+                    planner.load_bytes(item, io.BytesIO())  # the checked value
+                else:
+                    rest.append(item)
+            else:
+                where = self.storage_data[item.storage_index]
+                files.setdefault(str(where.relative_path), []).append(item)
+        for name, items in files.items():
+            with open(self.folder / name, "rb") as f:
+                rest.extend(i for i in items
+                            if not _read_in_place(f, self.storage_data[i.storage_index], i, planner))
+        self.direct = len(plan.items) - len(rest)
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+
+_LEGACY_STORAGES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128}
+"""The storage classes `torch.save` names for these dtypes (its `persistent_id`); others are
+saved as `torch.storage.UntypedStorage` with `_rebuild_tensor_v3` and the dtype."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a tensor saved by `torch.save` keeps its bytes: storage `key` of `nbytes`
+    bytes, and the tensor's dtype, storage offset, shape and strides in it."""
+
+    dtype: torch.dtype
+    key: str
+    nbytes: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _Untyped:
+    """`torch.storage.UntypedStorage`, as named in the pickle (nothing is built)."""
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads the pickle `torch.save` writes for one plain tensor,
+    `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)` (or `_v3`,
+    which adds the dtype), into a `_Layout`, building nothing; any other global is refused,
+    and the entry goes DCP's way."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _layout_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _layout_v3
+        if module == "torch" and name in _LEGACY_STORAGES:
+            return _LEGACY_STORAGES[name]
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _Untyped
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise _ForbiddenError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid  # ("storage", storage type, key, location, numel): checked by `_layout`
+
+
+def _layout_v2(storage: Any, offset: Any, shape: Any, stride: Any, requires_grad: Any,
+               hooks: Any, metadata: Any = None) -> _Layout:
+    """`torch._utils._rebuild_tensor_v2`'s arguments, as a `_Layout`."""
+    return _layout(storage, None, offset, shape, stride, hooks, metadata)
+
+
+def _layout_v3(storage: Any, offset: Any, shape: Any, stride: Any, requires_grad: Any,
+               hooks: Any, dtype: Any, metadata: Any = None) -> _Layout:
+    """`torch._utils._rebuild_tensor_v3`'s arguments (a dtype the storage does not name)."""
+    return _layout(storage, dtype, offset, shape, stride, hooks, metadata)
+
+
+def _layout(storage: Any, dtype: Any, offset: Any, shape: Any, stride: Any, hooks: Any,
+            metadata: Any) -> _Layout:
+    def sizes(v: Any) -> bool:
+        return isinstance(v, tuple) and all(type(i) is int and i >= 0 for i in v)
+
+    if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage"
+            and type(storage[2]) is str and type(storage[4]) is int and storage[4] >= 0
+            and type(offset) is int and sizes(shape) and sizes(stride)
+            and len(shape) == len(stride) and not hooks and not metadata):
+        raise _ForbiddenError("not a plain tensor")
+    kind = storage[1]
+    if kind is _Untyped and isinstance(dtype, torch.dtype):
+        nbytes = storage[4]  # an untyped storage counts bytes
+    elif isinstance(kind, torch.dtype) and dtype is None:
+        dtype, nbytes = kind, storage[4] * kind.itemsize  # a typed one, elements
+    else:
+        raise _ForbiddenError("not a plain tensor")
+    return _Layout(dtype, storage[2], nbytes, offset, shape, stride)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _read_in_place(f: Any, where: Any, item: ReadItem, planner: LoadPlanner) -> bool:
+    """Read the tensor entry `item`, stored at `where` in the open file `f`, straight into
+    its live target and return True, when the entry's bytes are exactly the target's: one
+    whole tensor saved by `torch.save` (no DCP transform), contiguous, in this machine's
+    byte order, of the target's dtype and shape, the target a contiguous plain CPU tensor.
+    Else return False, having read nothing into it: DCP reads that entry its own way (and
+    raises what is wrong with it)."""
+    if getattr(where, "transform_descriptors", None) or any(item.storage_offsets):
+        return False
+    target = planner.resolve_tensor(item).detach()
+    if (type(target) is not torch.Tensor or target.device.type != "cpu"
+            or target.layout != torch.strided or not target.is_contiguous() or target.is_conj()
+            or target.is_neg() or tuple(item.lengths) != tuple(target.shape)):
+        return False
+    begin, length = int(where.offset), int(where.length)
+    try:
+        zipped = torch._C.PyTorchFileReader(cast(Any, _create_file_view(f, begin, length)))  # torch.load's
+        if zipped.get_record("byteorder") != sys.byteorder.encode():
+            return False  # torch.load swaps such bytes
+        layout = _LayoutUnpickler(io.BytesIO(zipped.get_record("data.pkl"))).load()
+        record = f"data/{layout.key}"
+        start = cast(Any, zipped).get_record_offset(record)  # as torch.load(mmap=True) finds it
+        size = zipped.get_record_size(record)
+    except Exception:  # noqa: BLE001 - not one plain tensor as torch.save writes it
+        return False
+    nbytes = target.numel() * target.element_size()
+    if (not isinstance(layout, _Layout) or layout.dtype != target.dtype
+            or layout.shape != tuple(target.shape) or layout.offset != 0
+            or layout.stride != _contiguous_strides(layout.shape) or layout.nbytes != nbytes
+            or size != nbytes
+            or type(start) is not int or start < 0 or start + nbytes > length):
+        return False
+    f.seek(begin + start)
+    into = target.reshape(-1).view(torch.uint8).numpy().data  # the target's own bytes
+    done = 0
+    while done < nbytes:
+        n = f.readinto(into[done:])
+        if not n:
+            raise CorruptRecordError(f"ends {nbytes - done} bytes before the end of the tensor "
+                                     f"entry {item.dest_index.fqn!r}", source=str(f.name))
+        done += n
+    planner.commit_tensor(item, target)
+    return True
 
 
 def _refused_elsewhere(error: BaseException) -> tuple[int, BaseException] | None:
