@@ -379,3 +379,18 @@ def test_a_refused_load_reads_nothing_in_place_and_changes_nothing(tmp_path, mon
         trt.DCPRecorder().load(path, into, opt2, state_type=_Micro)
         assert calls and all(torch.equal(a, b) for a, b in
                              zip(model.state_dict().values(), into.state_dict().values()))
+
+
+def test_a_dcp_metadata_memoizing_at_a_huge_index_is_refused_without_growing_memory(tmp_path):
+    """The same memo opcode in `.metadata`, read before any checksum (its unpickler is
+    C's too): refused, without the memory."""
+    pkl = b"\x80\x02N" + b"r" + struct.pack("<I", 2 ** 22) + b"."
+    (tmp_path / ".metadata").write_bytes(pkl)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptRecordError, match=r"\.metadata"):
+            dcp_mod._read_metadata(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak >> 20} MiB for a {len(pkl)}-byte pickle"
