@@ -199,6 +199,22 @@ def test_a_stored_record_rewritten_by_another_zip_writer_is_still_read_in_place(
     assert torch.equal(target, value)
 
 
+def test_a_zip64_stored_record_is_read_in_place_bit_for_bit(tmp_path):
+    """Records past 4 GiB carry zip64 sizes in their local header's extra field."""
+    value = torch.randn(40)
+    src = zipfile.ZipFile(io.BytesIO(_saved(value)))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            with dst.open(info.filename, "w", force_zip64="/data/" in info.filename) as w:
+                w.write(src.read(info))
+    payload = out.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(payload), weights_only=True), value)
+    target = torch.zeros(40)
+    assert _read(tmp_path, payload, target)
+    assert torch.equal(target, value)
+
+
 def test_an_in_place_read_tells_autograd_as_copy_does(tmp_path):
     """DCP's read `copy_`s into the live tensor, which bumps its version, so a graph
     saved before the load refuses to backpropagate through the changed values; the
