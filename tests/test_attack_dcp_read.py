@@ -410,3 +410,24 @@ def test_a_dcp_metadata_memoizing_at_a_huge_index_is_refused_without_growing_mem
     finally:
         tracemalloc.stop()
     assert peak < 8 << 20, f"{peak >> 20} MiB for a {len(pkl)}-byte pickle"
+
+
+def test_randomly_damaged_entries_never_raise_and_leave_what_they_refuse_untouched(tmp_path):
+    """1 to 4 bytes anywhere in an entry (zip headers, data.pkl, the tensor's bytes), as
+    with `verify=False`: a False return leaves the target as it was; no exception."""
+    import random
+
+    rng = random.Random(20261201)
+    bases = [_saved(torch.arange(16.0)), _rezipped(_saved(torch.arange(16.0)))]
+    seen = set()
+    for _ in range(400):
+        payload = bytearray(rng.choice(bases))
+        for _ in range(rng.randint(1, 4)):
+            payload[rng.randrange(len(payload))] = rng.choice([0, 1, 0x7F, 0x80, 0xFF,
+                                                               rng.randrange(256)])
+        target = torch.full((16,), -1.0)
+        done = _read(tmp_path, bytes(payload), target)
+        seen.add(done)
+        if not done:
+            assert torch.equal(target, torch.full((16,), -1.0))
+    assert seen == {True, False}
