@@ -829,11 +829,20 @@ class _Untyped:
     """`torch.storage.UntypedStorage`, as named in the pickle (nothing is built)."""
 
 
-class _LayoutUnpickler(pickle.Unpickler):
+@dataclass(frozen=True)
+class _Typed:
+    """A typed storage class of `_LEGACY_STORAGES`, as named in the pickle: its dtype (a
+    dtype named where the pickle names a storage class is refused, as `torch.load` does)."""
+
+    dtype: torch.dtype
+
+
+class _LayoutUnpickler(pickle._Unpickler):
     """Reads the pickle `torch.save` writes for one plain tensor,
     `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)` (or `_v3`,
     which adds the dtype), into a `_Layout`, building nothing; any other global is refused,
-    and the entry goes DCP's way."""
+    and the entry goes DCP's way. Python's unpickler, whose memo is a dict: C's grows an
+    array to twice the index a memo opcode names (a 40-byte pickle asks gigabytes)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
@@ -841,7 +850,7 @@ class _LayoutUnpickler(pickle.Unpickler):
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
             return _layout_v3
         if module == "torch" and name in _LEGACY_STORAGES:
-            return _LEGACY_STORAGES[name]
+            return _Typed(_LEGACY_STORAGES[name])
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return _Untyped
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -879,8 +888,8 @@ def _layout(storage: Any, dtype: Any, offset: Any, shape: Any, stride: Any, hook
     kind = storage[1]
     if kind is _Untyped and isinstance(dtype, torch.dtype):
         nbytes = storage[4]  # an untyped storage counts bytes
-    elif isinstance(kind, torch.dtype) and dtype is None:
-        dtype, nbytes = kind, storage[4] * kind.itemsize  # a typed one, elements
+    elif isinstance(kind, _Typed) and dtype is None:
+        dtype, nbytes = kind.dtype, storage[4] * kind.dtype.itemsize  # a typed one, elements
     else:
         raise _ForbiddenError("not a plain tensor")
     return _Layout(dtype, storage[2], nbytes, offset, shape, stride)
@@ -906,7 +915,8 @@ def _read_in_place(f: Any, where: Any, item: ReadItem, planner: LoadPlanner) -> 
     target = planner.resolve_tensor(item).detach()
     if (type(target) is not torch.Tensor or target.device.type != "cpu"
             or target.layout != torch.strided or not target.is_contiguous() or target.is_conj()
-            or target.is_neg() or tuple(item.lengths) != tuple(target.shape)):
+            or target.is_neg() or target.is_quantized or target.is_inference()
+            or tuple(item.lengths) != tuple(target.shape)):
         return False
     begin, length = int(where.offset), int(where.length)
     try:
@@ -917,8 +927,13 @@ def _read_in_place(f: Any, where: Any, item: ReadItem, planner: LoadPlanner) -> 
         record = f"data/{layout.key}"
         start = cast(Any, zipped).get_record_offset(record)  # as torch.load(mmap=True) finds it
         size = zipped.get_record_size(record)
+        header = cast(Any, zipped).get_record_header_offset(record)
+        f.seek(begin + header)
+        local = f.read(_LOCAL_HEADER)
     except Exception:  # noqa: BLE001 - not one plain tensor as torch.save writes it
         return False
+    if not _stored_at(local, header, start):
+        return False  # torch.load inflates a compressed record; this would read it raw
     nbytes = target.numel() * target.element_size()
     if (not isinstance(layout, _Layout) or layout.dtype != target.dtype
             or layout.shape != tuple(target.shape) or layout.offset != 0
@@ -935,8 +950,23 @@ def _read_in_place(f: Any, where: Any, item: ReadItem, planner: LoadPlanner) -> 
             raise CorruptRecordError(f"ends {nbytes - done} bytes before the end of the tensor "
                                      f"entry {item.dest_index.fqn!r}", source=str(f.name))
         done += n
+    torch.autograd.graph.increment_version(target)  # as `copy_` does: a saved graph sees it
     planner.commit_tensor(item, target)
     return True
+
+
+_LOCAL_HEADER = 30
+"""The bytes of a zip local file header before its name and extra field."""
+
+
+def _stored_at(local: bytes, header: int, start: int) -> bool:
+    """Whether `local`, the zip local file header at `header`, is one of a record stored
+    as it is (not compressed, not encrypted) whose bytes begin at `start`."""
+    if type(header) is not int or len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04":
+        return False
+    flags, method = int.from_bytes(local[6:8], "little"), int.from_bytes(local[8:10], "little")
+    name, extra = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+    return not flags & 1 and method == 0 and header + _LOCAL_HEADER + name + extra == start
 
 
 def _refused_elsewhere(error: BaseException) -> tuple[int, BaseException] | None:
@@ -1005,7 +1035,10 @@ class _ForbiddenError(Exception):
     pass
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """Python's unpickler, whose memo is a dict: C's grows an array to twice the index a
+    memo opcode names (a 9-byte file asks gigabytes); no slower on DCP's metadata."""
+
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_GLOBALS.get(module, ()) or (
                 module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
