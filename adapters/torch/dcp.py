@@ -1037,7 +1037,8 @@ class _ForbiddenError(Exception):
 
 class _MetadataUnpickler(pickle._Unpickler):
     """Python's unpickler, whose memo is a dict: C's grows an array to twice the index a
-    memo opcode names (a 9-byte file asks gigabytes); no slower on DCP's metadata."""
+    memo opcode names (a 9-byte file asks gigabytes). It costs about 10x C's time (4 ms
+    against 0.4 ms for the 32 KB `.metadata` of 16 parameters with AdamW state)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_GLOBALS.get(module, ()) or (
