@@ -19,27 +19,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.checkpoint")
 
+from test_torch_dcp_read import _Planner, _saved  # noqa: E402 - the stub planner, torch.save bytes
+
 import trainrec  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
 import trainrec.adapters.torch.dcp as dcp_mod  # noqa: E402
 from trainrec import CorruptRecordError  # noqa: E402
-
-
-class _Planner:
-    def __init__(self, target):
-        self.target, self.committed = target, []
-
-    def resolve_tensor(self, item):
-        return self.target
-
-    def commit_tensor(self, item, tensor):
-        self.committed.append(tensor)
-
-
-def _saved(value) -> bytes:
-    out = io.BytesIO()
-    torch.save(value, out)
-    return out.getvalue()
 
 
 def _read(tmp_path, payload: bytes, target) -> bool:
