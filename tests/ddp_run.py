@@ -187,22 +187,15 @@ def finish() -> None:
 
 def timeout_cases(model, opt, sched, acc, state, rank: int, out: Path) -> None:
     import json
-    import time
+
+    import timeout_outcomes  # next to this file
 
     folder = out / "timeout"
     train(model, opt, sched, acc, state, A)
 
     def attempt(case: str, call) -> None:
-        before = [t.clone() for t in model.state_dict().values()]
-        start = time.monotonic()
-        try:
-            call()
-            result = {"error": None}
-        except trainrec.RecorderError as e:
-            result = {"error": type(e).__name__, "message": str(e)}
-        result["seconds"] = time.monotonic() - start
-        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
-        (out / f"timeout-{case}-{rank}.json").write_text(json.dumps(result))
+        timeout_outcomes.attempt(out, case, rank, call, lambda: {
+            k: v.clone() for k, v in model.state_dict().items()})
 
     def recorder():
         return trt.DistributedRecorder(group=dist.new_group(backend="gloo"), timeout=2)

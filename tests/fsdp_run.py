@@ -265,24 +265,13 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
 
 
 def timeout_cases(model, opt, sched, state, rank: int, out: Path) -> None:
-    import json
+    import timeout_outcomes  # next to this file
 
     folder = out / "timeout"
     train(model, opt, sched, state, A)
 
-    def attempt(case: str, call) -> None:
-        before = snapshot(model, opt)  # this rank's own tensors: no collective, unlike dump
-        start = time.monotonic()
-        try:
-            call()
-            result = {"error": None}
-        except trainrec.RecorderError as e:
-            result = {"error": type(e).__name__, "message": str(e)}
-        result["seconds"] = time.monotonic() - start
-        after = snapshot(model, opt)
-        result["unchanged"] = before.keys() == after.keys() and all(
-            torch.equal(before[k], after[k]) for k in before)
-        (out / f"timeout-{case}-{rank}.json").write_text(json.dumps(result))
+    def attempt(case: str, call) -> None:  # this rank's own tensors: no collective, unlike dump
+        timeout_outcomes.attempt(out, case, rank, call, lambda: snapshot(model, opt))
 
     def recorder():
         return trt.DCPRecorder(group=dist.new_group(backend="gloo"), timeout=2)
