@@ -727,7 +727,6 @@ class _Reader(FileSystemReader):
         self.refused: Exception | None = None
         self.reading = False
         self.plain: dict[str, Any] = {}  # the non-tensor entries, checked, for `_Planner`
-        self.direct = 0  # entries the last read put straight into live tensors
 
     @classmethod
     def refusing(cls, error: Exception, group: Any, path: Path) -> _Reader:
@@ -798,7 +797,6 @@ class _Reader(FileSystemReader):
             with open(self.folder / name, "rb") as f:
                 rest.extend(i for i in items
                             if not _read_in_place(f, self.storage_data[i.storage_index], i, planner))
-        self.direct = len(plan.items) - len(rest)
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
 
