@@ -208,6 +208,8 @@ def timeout_cases(model, opt, sched, acc, state, rank: int, out: Path) -> None:
     meetings = {f"{n}/DistributedRecorder.{what}/{k}": store.check([f"trainrec/meeting/{n}/DistributedRecorder.{what}/{k}"])
                 for n, what in ((0, "save"), (1, "load")) for k in ("outcome", "arrived", f"rank/{rank}")}
     (out / f"timeout-keys-{rank}.json").write_text(json.dumps(meetings))
+    # every rank saves over step-1: rank 0 refuses to start, and tells rank 1 why
+    attempt("again", lambda: saved.save(trt.DistributedRecorder(), folder / "step-1"))
     native = NamedMpkFileRecorder(NativePrecisionSettings())
     saved.save(native, out / f"timeout-saved-{rank}.mpk")
     back.save(native, out / f"timeout-loaded-{rank}.mpk")

@@ -192,6 +192,17 @@ def test_a_save_or_load_called_on_one_rank_fails_within_the_timeout(timeout_runs
         TrainingRecord.load(trt.DistributedRecorder(), ckpt / "step-1", rank=r)
 
 
+def test_a_save_over_a_checkpoint_is_refused_on_every_rank_naming_it_once(timeout_runs):
+    """Rank 0 finds step-1 there and refuses to start; rank 1 gets its reason, the
+    directory named once (it was named twice), and neither changed anything."""
+    mine, theirs = (outcome(timeout_runs, "again", r) for r in (0, 1))
+    path = timeout_runs / "timeout" / "step-1"
+    assert mine["message"] == ("a distributed checkpoint is a directory and is never replaced: "
+                               f"save under a new path (a new step) (file {path})"), mine
+    assert theirs["message"] == f"rank 0 could not start the save: RecorderError: {mine['message']}"
+    assert mine["unchanged"] and theirs["unchanged"]
+
+
 def test_a_rank_that_comes_after_the_others_gave_up_fails_at_once(timeout_runs):
     got = outcome(timeout_runs, "late0", 0)
     assert got["error"] == "RecorderError" and got["seconds"] < 1, got

@@ -674,6 +674,15 @@ def test_verify_false_skips_the_tensor_checksums_only(one_rank, tmp_path, monkey
         trt.DCPRecorder().load(path, model, opt, verify=1)
     trt.DCPRecorder().load(path, model, opt, verify=False)  # loads: the tensor is not checked
     assert opt.state and all(p.grad is not None for p in model.parameters())
+    # a tensor entry whose bytes no longer unpickle fails only in DCP's read, after other
+    # live tensors changed: the error says so, and that verify=True refuses it first
+    bad = bytearray(data)
+    bad[weight.offset + 2] ^= 0xFF  # inside its zip's first header
+    shard.write_bytes(bytes(bad))
+    with pytest.raises(trainrec.RecorderError, match=r"With verify=False their bytes are not "
+                       r"checked before the read.*may be partly restored\. Load with verify=True"):
+        trt.DCPRecorder().load(path, *_two_groups(), verify=False)
+    shard.write_bytes(bytes(data))
     # a non-tensor entry changed (the trainrec facts): refused even so, before any change
     trainrec_entry = where["trainrec"]
     data[trainrec_entry.offset + trainrec_entry.length // 2] ^= 0x01

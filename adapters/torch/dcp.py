@@ -320,6 +320,14 @@ class DCPRecorder:
                 raise RecorderError(f"rank {rank} could not load its part of the checkpoint "
                                     f"({type(error).__name__}: {error}); no rank restores "
                                     "from it", source=str(reader.folder.parent)) from None
+            if reader.reading and not verify:
+                raise RecorderError(
+                    f"torch.distributed.checkpoint failed while reading the tensors: {e}. With "
+                    "verify=False their bytes are not checked before the read, so a damaged "
+                    "entry fails only here: the model, optimizer and pending gradients may be "
+                    "partly restored. Load with verify=True (the default), which refuses a "
+                    "damaged entry before anything changes, or run `trainrec verify` on the "
+                    "checkpoint", source=str(reader.folder.parent)) from e
             if reader.reading:
                 raise RecorderError(
                     "torch.distributed.checkpoint failed while reading the tensors, after every "

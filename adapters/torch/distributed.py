@@ -385,6 +385,15 @@ def _set(tree: Item, at: Path_, value: Item, whole: Path_, source: Path) -> Item
 # -- the commit ----------------------------------------------------------------------------
 
 
+def _told(error: BaseException | None, path: Path) -> str:
+    """`error` as the other ranks are told it, type and message, without the "(file PATH)"
+    that their own error about `path` adds again."""
+    text, where = str(error), f" (file {path})"
+    if isinstance(error, RecorderError) and text.endswith(where):
+        text = text[:-len(where)]
+    return f"{type(error).__name__}: {text}"
+
+
 class _Commit:
     """One collective save into a temp directory, renamed to `path` by rank 0 once every
     rank's part is durable. `begin`, then `wrote` or `fail`, then `finish`, on every rank."""
@@ -412,7 +421,7 @@ class _Commit:
             if self.token:
                 message = [("ok", self.token, payload)]
             else:
-                message = [("error", f"{type(self._error).__name__}: {self._error}", None)]
+                message = [("error", _told(self._error, self.path), None)]
         _collective(lambda: _broadcast(message, self.group), self.path, "starting the save",
                     self._abandon)
         status, value, payload = message[0]
@@ -430,7 +439,7 @@ class _Commit:
 
     def fail(self, error: Exception) -> None:
         self._error = error
-        self._outcome = ("error", f"{type(error).__name__}: {error}")
+        self._outcome = ("error", _told(error, self.path))
 
     def finish(self, manifest: dict[str, Any], gathered: str = "overrides") -> None:
         """Meet every rank; rank 0 commits when all parts are durable, with every rank's
