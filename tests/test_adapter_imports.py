@@ -13,7 +13,8 @@ import trainrec.adapter_kit
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*ROOT.joinpath("adapters").rglob("*.py"),
-                  *ROOT.joinpath("tests", "thirdparty_adapter").rglob("*.py")])
+                  *ROOT.joinpath("tests", "thirdparty_adapter").rglob("*.py"),
+                  ROOT / "tests" / "trainrec_minigrad.py"])
 PUBLIC = ("trainrec", "trainrec.adapter_kit", "trainrec.conformance")
 
 # Not yet moved to the kit: the file recorders, which other work in progress (the format

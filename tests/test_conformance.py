@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +44,19 @@ class TestThirdPartyArrayStrict(AdapterConformance):
     its entry point (tests/thirdparty_adapter)."""
 
     workload = _strict.WORKLOAD if _strict else None
+
+
+class TestMinigrad(AdapterConformance):
+    """An adapter written outside trainrec for a framework it does not ship (tests/minigrad.py,
+    shaped like tinygrad: gradients pending in `.grad`, a global RNG, plain model classes),
+    the base of the mutation test's broken variants."""
+
+    workload = importlib.import_module("trainrec_minigrad").WORKLOAD
+
+    @pytest.fixture(autouse=True)
+    def _importable_in_fresh_processes(self, monkeypatch):
+        tests = str(Path(__file__).resolve().parent)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
 
 
 def test_the_third_party_adapter_is_found_through_its_entry_point():
