@@ -49,7 +49,10 @@ class Workload:
     Optional: `before_capture` / `after_restore` (move framework RNG into / out of the
     state), `device`, `dtypes` (those the backend supports), `recorders` (the adapter's
     own, by name), `native_objects(parts)` (objects `trainrec.adapt` must resolve),
-    `reorder(parts)` (the same parameters in another order, where the framework allows it).
+    `reorder(parts)` (the same parameters in another order, where the framework allows it),
+    `native_grads` / `set_native_grads` (gradients pending in the framework's own gradient
+    slots, torch's `.grad`), `overwrite(parts, tensor, array)` (write into a tensor in
+    place, as a compiled step reusing its output buffers does).
     """
 
     name: ClassVar[str] = "adapter"
@@ -81,6 +84,31 @@ class Workload:
         optimizer records are keyed by ParamId, never by position. Default: False (the
         framework keeps one order)."""
         return False
+
+    def native_grads(self, parts: Parts) -> dict[str, np.ndarray[Any, Any]] | None:
+        """The gradients pending in the framework's own gradient slots (torch's and
+        tinygrad's `.grad`, which a second `backward()` adds into), by ParamId, as host
+        arrays; ParamIds with none pending are absent. Default None: the framework keeps
+        no gradients on its tensors. A workload that gives this gives `set_native_grads`
+        too, and the suite checks that a module record carries them, or that capture
+        refuses them."""
+        return None
+
+    def set_native_grads(self, parts: Parts, grads: dict[str, np.ndarray[Any, Any]]) -> None:
+        """Make `grads` (by ParamId) the gradients pending in the framework's own slots,
+        and no others (as repeated `backward()` calls leave them)."""
+        raise NotImplementedError(f"{type(self).__name__} gives native_grads but not set_native_grads")
+
+    def overwrite(self, parts: Parts, tensor: Any, array: np.ndarray[Any, Any]) -> bool:
+        """Write `array` into `tensor` in place, as a compiled step that reuses its output
+        buffers (or zeroing `.grad` in place) does, and return True; False where the
+        framework's tensors cannot be written in place (JAX arrays), where sharing one is
+        safe. Default: `tensor[...] = <array as a backend tensor>`, False when that raises."""
+        try:
+            tensor[...] = self.tensor(parts, array)
+        except Exception:  # noqa: BLE001 - an immutable tensor refuses in its own way
+            return False
+        return True
 
     def backend(self, parts: Parts) -> AutodiffBackend:
         return adapt_module(parts.model).backend

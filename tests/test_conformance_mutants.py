@@ -1,7 +1,9 @@
-"""Mutation test of the conformance suite: broken variants of the numpy reference adapter,
-each breaking one documented requirement (spec/ADAPTERS.md, the contract sentences of
+"""Mutation test of the conformance suite: broken variants of the numpy reference adapter
+and of an out-of-tree adapter for minigrad (tests/trainrec_minigrad.py: gradients pending
+in `.grad`, mutable tensors whose `add` is not in place, a framework-global RNG), each
+breaking one documented requirement (spec/ADAPTERS.md, the contract sentences of
 core/protocols.py), must each fail the suite with a `contract:` message naming the
-component and key. The unbroken reference passes the same checks."""
+component and key. The unbroken adapters pass the same checks."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import minigrad
 import numpy as np
 import pytest
+from trainrec_minigrad import MiniBackend, MiniModule, MiniWorkload, take_grads
 
 from trainrec import DType, RecordMismatchError, StateRecord, TensorData
+from trainrec.adapter_kit import Parts, RngRecord, expect_kind
 from trainrec.adapters.numpy.backend import NumpyBackend
 from trainrec.adapters.numpy.demo import NumpyWorkload
 from trainrec.adapters.numpy.mlp import MLP
@@ -23,7 +28,6 @@ from trainrec.adapters.numpy.optim import AdamW
 from trainrec.adapters.numpy.schedulers import LinearWarmupCosineLr
 from trainrec.conformance import AdapterConformance
 from trainrec.conformance.harness import midway
-from trainrec.records import expect_kind
 
 # checks that run a fresh process or read spec files: the same for every mutant
 _NOT_PER_ADAPTER = {"test_exact_continuation_in_a_fresh_process", "test_spec_vectors_load_bit_exactly"}
@@ -45,7 +49,7 @@ def _checks() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def run_suite(harness: NumpyWorkload) -> list[tuple[str, str, str]]:
+def run_suite(harness: Any) -> list[tuple[str, str, str]]:
     """The suite's checks run on `harness`: (check, "fail" or "error", message) of each that
     did not pass."""
     suite = type("Suite", (AdapterConformance,), {"workload": harness})()
@@ -173,6 +177,129 @@ class Mutant(NumpyWorkload):
         return parts
 
 
+# -- broken variants of the minigrad adapter ------------------------------------------------
+
+
+class _GradsDroppingModule(MiniModule):
+    """Records the parameters, not the gradients pending in their `.grad`."""
+
+    def into_record(self) -> StateRecord:
+        rec = super().into_record()
+        return StateRecord(self.kind, {**rec.item, "grads": {}})
+
+
+class _ViewCastBackend(MiniBackend):
+    """`cast` to a tensor's own dtype returns a new tensor over the same buffer (a lazy
+    framework's view): the accumulator, given it as a new tensor, keeps the caller's buffer."""
+
+    def cast(self, tensor: Any, dtype: DType) -> Any:
+        return minigrad.Tensor.wrap(tensor.data) if tensor.dtype == dtype.numpy else super().cast(tensor, dtype)
+
+
+class _SameCloneBackend(MiniBackend):
+    """`clone` returns the tensor itself; `add` (not in place) never shows it."""
+
+    def clone(self, tensor: Any) -> Any:
+        return tensor
+
+
+class MiniMutant(MiniWorkload):
+    """The minigrad workload with its model binding or backend replaced by a broken one."""
+
+    def __init__(self, name: str, model: type | None = None, backend: type | None = None) -> None:
+        self.name, self.model_class, self.backend_class = name, model, backend
+
+    def build(self, seed: int) -> Parts:
+        parts = super().build(seed)
+        cls = self.model_class or MiniModule
+        if self.backend_class is not None:
+            cls = type("BrokenBackendModule", (cls,), {"backend": self.backend_class()})
+        parts.model.__class__ = cls
+        return parts
+
+
+class _SharedGlobalRng(MiniWorkload):
+    """Draws from minigrad's global RNG as it is, not from one kept per run: runs side by
+    side in one process draw from each other's stream."""
+
+    name = "minigrad-global-rng"
+
+    def micro_step(self, parts: Parts) -> None:
+        net = parts.model.net
+        x = minigrad.randn(6, 8).data
+        loss = minigrad.mlp_backward([net.l1, net.l2], x, np.tanh(x[:, :3]), dropout=0.2)
+        parts.accumulator.accumulate(parts.model, take_grads(parts.model))
+        parts.state.losses.append(loss)
+
+    def before_capture(self, parts: Parts) -> None:
+        gen = np.random.Generator(np.random.PCG64())
+        gen.bit_generator.state = minigrad.rng_state()
+        parts.state.rng = RngRecord.capture(gen)
+
+    def after_restore(self, parts: Parts) -> None:
+        gen = np.random.Generator(np.random.PCG64())
+        parts.state.rng.apply(gen)
+        minigrad.set_rng_state(gen.bit_generator.state)
+
+
+class _UnrecordedRng(MiniWorkload):
+    """Keeps an RNG per run but records none of it."""
+
+    name = "minigrad-unrecorded-rng"
+
+    def before_capture(self, parts: Parts) -> None:
+        pass
+
+    def after_restore(self, parts: Parts) -> None:
+        pass
+
+
+class _CheckSetsCount(LinearWarmupCosineLr):
+    """`check_record` takes the record's position before checking the rest."""
+
+    def check_record(self, record: Any) -> None:
+        item = record.item
+        if isinstance(item, dict) and isinstance(item.get("count"), int):
+            self.count = item["count"]
+        super().check_record(record)
+
+
+def _add_many_keeping_grad(self: Any, pending: list[Any], grads: list[Any], dtype: Any) -> list[Any]:
+    """The accumulator's per-pair sums, except that where nothing is pending and no cast is
+    needed it keeps the caller's gradient itself."""
+    out = []
+    for p, g in zip(pending, grads):
+        if p is None:
+            out.append(g if dtype is None or self.dtype_of(g) is dtype else self.cast(g, dtype))
+        else:
+            target = dtype or self.dtype_of(p)
+            out.append(self.add(self.cast(p, target), self.cast(g, target)))
+    return out
+
+
+class _ListedMLP(MLP):
+    """Records its tensors as a list of {name, value}: keyed by ParamId, and it restores,
+    but not in the layout the suite reads (a tensor at a key path ending in its ParamId)."""
+
+    def into_record(self) -> StateRecord:
+        return StateRecord(self.kind, {"tensors": [{"name": k, "value": TensorData.from_array(self.params[k])}
+                                                   for k in sorted(self.params)]})
+
+    def _as_map(self, record: Any) -> StateRecord:
+        item = expect_kind(record, self.kind, "model")
+        entries = item.get("tensors") if isinstance(item, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and set(e) == {"name", "value"}
+                                                    for e in entries):
+            raise RecordMismatchError("model record must be {tensors: [{name, value}]}", key="model")
+        return StateRecord(self.kind, {str(e["name"]): e["value"] for e in entries})
+
+    def check_record(self, record: Any) -> None:
+        super().check_record(self._as_map(record))
+
+    def load_record(self, record: Any, device: Any) -> None:
+        super().load_record(self._as_map(record), device)
+
+
 MUTANTS = {
     "device() accepts an unknown device": (
         Mutant("device", model=_backend(device=lambda self, spec: "cpu")), r"contract: backend\.device: "),
@@ -226,12 +353,49 @@ MUTANTS = {
     "model into_record shares live memory": (
         Mutant("shared", model=type("M", (MLP,), {"into_record": _shared_record})),
         r"contract: capture: copies every component .*model\.layers\."),
+    # what the suite let through silently before (a stranger's tinygrad adapter)
+    "model record drops the gradients pending in .grad": (
+        MiniMutant("drops-grad", model=_GradsDroppingModule),
+        r"contract: model\.into_record: a module record carries the gradients pending in the framework's own "
+        r"gradient slots .*l\d\.\w+ is missing \(dropped\)"),
+    "accumulator keeps the caller's buffer (cast returns a view)": (
+        MiniMutant("view-cast", backend=_ViewCastBackend),
+        r"contract: accumulator\.accumulate: never aliases the caller's gradients \(accumulate\)"),
+    "accumulator keeps the caller's array (add_many returns it)": (
+        Mutant("add-many", model=_backend(add_many=_add_many_keeping_grad)),
+        r"contract: accumulator\.accumulate: never aliases the caller's gradients \(accumulate\)"),
+    "clone returns the same tensor, add never writes in place": (
+        MiniMutant("same-clone", backend=_SameCloneBackend),
+        r"contract: backend\.clone: a clone is independent: writing into the original in place"),
+    "scheduler check_record takes the record's position": (
+        Mutant("check-sets-count", scheduler=_CheckSetsCount),
+        r"contract: scheduler\.check_record: never mutates.*scheduler\.count"),
+    "model record nests its tensors in a list": (
+        Mutant("listed", model=_ListedMLP),
+        r"contract: model\.into_record: holds each parameter as a tensor of its shape at a key path"),
+    # failures that point at the cause: an RNG, not the optimizer's keying
+    "a framework-global RNG shared by the runs side by side": (
+        _SharedGlobalRng(),
+        r"contract: state\.rng\.[\w.]+: a run restored from its record trains on bitwise .*the cause is not "
+        r"the order: right after the restore, before a micro-step of its own, .*only the caller state's RNG "
+        r"differs .*a framework-global RNG be kept per run"),
+    "an RNG the record does not hold": (
+        _UnrecordedRng(),
+        r"contract: \w+\.[\w.]+: a run restored from its record trains on bitwise .*the cause is not the "
+        r"order: after micro-step 1 .*usually an RNG"),
+}
+
+# a cause the suite must not name for a mutant that breaks something else
+NOT_BLAMED = {
+    "a framework-global RNG shared by the runs side by side": r"a record survives another parameter order",
+    "an RNG the record does not hold": r"a record survives another parameter order",
 }
 
 
-def test_the_reference_adapter_passes_every_check():
+@pytest.mark.parametrize("workload", [NumpyWorkload(), MiniWorkload()], ids=lambda w: w.name)
+def test_the_unbroken_adapters_pass_every_check(workload):
     assert len(_checks()) > 50
-    assert run_suite(NumpyWorkload()) == []
+    assert run_suite(workload) == []
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
@@ -240,6 +404,8 @@ def test_every_broken_adapter_fails_the_suite(name):
     failures = run_suite(harness)
     assert any(kind == "fail" and re.match(expected, message) for _, kind, message in failures), \
         f"{name}: no failure matches {expected!r}; failures: {failures}"
+    blamed = [m for _, _, m in failures if name in NOT_BLAMED and re.search(NOT_BLAMED[name], m)]
+    assert not blamed, f"{name}: a failure names the wrong cause: {blamed}"
     unnamed = [(check, message) for check, kind, message in failures
                if kind == "fail" and not message.startswith("contract: ")]
     assert not unnamed, f"failure messages must start with 'contract: ': {unnamed}"

@@ -117,6 +117,15 @@ class TorchWorkload(Workload):
     def before_capture(self, parts: Parts) -> None:
         parts.state.rng = TorchRngRecord.capture()
 
+    def native_grads(self, parts: Parts) -> dict[str, np.ndarray[Any, Any]] | None:
+        """Each parameter's `.grad`, where one is pending."""
+        return {n: p.grad.detach().cpu().float().numpy() for n, p in parts.model.named_parameters()
+                if p.grad is not None}
+
+    def set_native_grads(self, parts: Parts, grads: dict[str, np.ndarray[Any, Any]]) -> None:
+        for n, p in parts.model.named_parameters():
+            p.grad = torch.from_numpy(grads[n]).to(p.device, p.dtype) if n in grads else None
+
     def after_restore(self, parts: Parts) -> None:
         parts.state.rng.apply()
 
