@@ -56,6 +56,47 @@ def test_diff_reports_per_tensor_differences(tmp_path):
     assert cli("diff", str(a), str(tmp_path / "missing")).returncode == 3
 
 
+def test_diff_names_training_record_parts_and_differing_scalars_with_both_values(tmp_path):
+    """A TrainingRecord's paths by part (model, optimizer, scheduler, pending, state), not
+    by index; each differing scalar named, with its value in a and in b."""
+    from trainrec import NamedMpkFileRecorder, TrainingRecord
+    from trainrec.adapters.numpy.demo import WORKLOAD
+    from trainrec.conformance.harness import run
+
+    paths = []
+    for name, micro in (("a", 5), ("b", 8)):  # mid-window (gradients pending), and at a window's end
+        parts = WORKLOAD.build(0)
+        run(WORKLOAD, parts, micro)
+        WORKLOAD.before_capture(parts)
+        rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler, parts.accumulator, parts.state)
+        paths.append(str(rec.save(NamedMpkFileRecorder(), tmp_path / f"{name}.mpk")))
+    out = cli("diff", *paths)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert "pending.layers.0.bias: only in a" in lines
+    assert any(ln.startswith("model.layers.0.weight: differs") for ln in lines)
+    assert any(ln.startswith("optimizer.state.layers.0.weight.exp_avg: differs") for ln in lines)
+    assert "scheduler.count: 1 in a, 2 in b" in lines and "state.micro: 5 in a, 8 in b" in lines
+    assert "optimizer.state.layers.0.weight.step: 1.0 in a, 2.0 in b" in lines
+    assert not [ln for ln in lines if ln[:2] in ("0.", "1.", "2.", "3.", "4.")], lines
+    assert lines[-1].endswith("scalars differ") and "0 of 24 tensors bitwise equal" in lines[-1]
+    result = json.loads(cli("diff", *paths, "--json").stdout)
+    assert {"key": "scheduler.count", "a": "1", "b": "2"} in result["scalars"] and not result["scalars_equal"]
+    same = cli("diff", paths[0], paths[0])
+    assert same.returncode == 0 and same.stdout.strip().endswith("scalars equal")
+
+
+def test_diff_names_scalars_of_any_record(tmp_path):
+    a = DefaultRecorder().save_item({"w": TensorData.from_array(np.zeros(2, np.float32)), "step": 3,
+                                     "cfg": {"lr": 0.1, "name": "x"}}, tmp_path / "a.mpk", "Item")
+    b = DefaultRecorder().save_item({"w": TensorData.from_array(np.zeros(2, np.float32)), "step": 4,
+                                     "cfg": {"lr": 0.1}}, tmp_path / "b.mpk", "Item")
+    out = cli("diff", str(a), str(b))
+    assert out.returncode == 1
+    assert "step: 3 in a, 4 in b" in out.stdout and "cfg.name: 'x' in a, absent in b" in out.stdout
+    assert "1 of 1 tensors bitwise equal; 2 scalars differ" in out.stdout
+
+
 # -- safe to point at anything (spec/SECURITY.md section 5) --------------------------------
 
 EVIL_KEYS = ["\x1b[2J\x1b[31mred", "cr\rOK: forged by cr", "nl\nOK: forged by newline", "bidi\u202etxt.exe"]
