@@ -5,7 +5,8 @@ import trainrec names from here (or from `trainrec` itself), never from a module
 trainrec's own layout, which may move. Grouped as the guide uses them:
 
 - protocols its bindings satisfy and the values they exchange (section 1-2): `Backend`,
-  `AutodiffBackend`, `Module`, `AutodiffModule`, `Optimizer`, `LrScheduler`, `ParamId`,
+  `AutodiffBackend` (for an array-API library: `ArrayApiBackend`, `ArrayApiAdapter`),
+  `Module`, `AutodiffModule`, `Optimizer`, `LrScheduler`, `ParamId`,
   `DType`, `FloatDType`, `TensorData`, `GradientsParams`, `StateRecord`, `RngRecord`,
   `record`;
 - checking a record before loading it (section 2): `expect_kind`, `check_tensor_map`,
@@ -33,6 +34,7 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 
 from . import ptfile
 from ._atomic import atomic_write
+from .array_api import ArrayApiAdapter, ArrayApiBackend
 from .checksum import crc32
 from .convert import (
     ConversionError,
@@ -101,6 +103,8 @@ from .workload import Parts, Workload, train_until
 
 __all__ = [
     "Adapter",
+    "ArrayApiAdapter",
+    "ArrayApiBackend",
     "AutodiffBackend",
     "AutodiffModule",
     "BF16PrecisionSettings",
