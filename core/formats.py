@@ -463,8 +463,9 @@ _BUILTIN = _BUILTIN + (  # after trainrec's own: `.mpk` names trainrec's NamedMp
            "a Burn Bin file (BinFileRecorder, Burn <= 0.21): read_file(path, template=...) reads "
            "it with its tensors' module paths",
            "Burn's metadata and every parameter's ParamId, dtype, shape and byte count, in the "
-           "order the template gives (without one: in file order); not the tensors' values: "
-           f"{_BURN_UNCHECKED}"),
+           "order the template gives, and that nothing follows them (without a template: in file "
+           "order, and not how many there are: a file cut after a parameter reads); not the "
+           f"tensors' values: {_BURN_UNCHECKED}"),
 )
 
 BUILTIN_FORMATS = _BUILTIN
