@@ -54,7 +54,13 @@ import numpy as np
 from . import cbor
 from ._version import __version__
 from .dtypes import DType
-from .errors import CorruptRecordError, RecorderError, RecordMismatchError, UnsupportedVersionError, reading
+from .errors import (
+    CorruptRecordError,
+    RecorderError,
+    RecordMismatchError,
+    UnsupportedVersionError,
+    reading,
+)
 from .format import Ext, Header, Limits, decode_msgpack
 from .items import Item, iter_tensors, join_key
 from .precision import NativePrecisionSettings, Precision, settings_by_name, store_tensor
@@ -784,7 +790,8 @@ def _flat(item: Item, source: str) -> tuple[list[tuple[str, TensorData, int | No
         raise CorruptRecordError("metadata is a map of strings", source=source, key="metadata")
     if not isinstance(scalars, dict):
         raise CorruptRecordError("scalars is a map", source=source, key="scalars")
-    return out, meta, {k: _scalar(v, f"scalars.{k}", source) for k, v in scalars.items()}, dtypes
+    return (out, {str(k): str(v) for k, v in meta.items()},
+            {k: _scalar(v, f"scalars.{k}", source) for k, v in scalars.items()}, dict(dtypes))
 
 
 class BurnpackRecorder(RecorderBase):
@@ -821,8 +828,9 @@ class BurnpackRecorder(RecorderBase):
         return read_burnpack(path_arg(args), mmap)
 
 
-def optimizer_path(path: Path) -> Path:
+def optimizer_path(path: str | os.PathLike[str]) -> Path:
     """Where `BurnpackRecorder` puts a TrainingRecord's optimizer: `x.bpk` -> `x.optim.bpk`."""
+    path = Path(path)
     name = path.name[: -len(".bpk")] if path.name.lower().endswith(".bpk") else path.name
     return path.with_name(f"{name}.optim.bpk")
 
@@ -1001,7 +1009,7 @@ def _named_parts(item: Item, source: str) -> tuple[dict[str, str], Item, dict[st
             if not isinstance(pid, str):
                 raise CorruptRecordError(f"a ParamId is a string or a u64, got {pid!r:.40}", source=source, key=name)
             ids[name] = pid
-    return {k: meta[k] for k in _META_KEYS}, record, ids, dtypes  # type: ignore[return-value]
+    return {k: str(meta[k]) for k in _META_KEYS}, record, ids, dict(dtypes)
 
 
 def tensors_in_order(item: Item) -> Iterator[tuple[str, TensorData]]:

@@ -479,9 +479,11 @@ def _convert(args: argparse.Namespace) -> int:
                        "pending_gradients": len(converted.grads.grads)}
             opt_state = converted.optimizer.item
             if args.to == "burn" and isinstance(opt_state, dict) and opt_state.get("tensors"):
-                from .burn import optimizer_path  # BurnpackRecorder wrote Burn's optimizer record there
+                from .burn import (
+                    optimizer_path,  # BurnpackRecorder wrote Burn's optimizer record there
+                )
 
-                summary["optimizer"] = str(optimizer_path(__import__("pathlib").Path(args.dst)))
+                summary["optimizer"] = str(optimizer_path(args.dst))
     except ConversionError as e:
         print(f"trainrec convert: refused: {_message(e, lines=True)}", file=sys.stderr)
         return 4

@@ -20,8 +20,7 @@ import pytest
 
 import trainrec
 import trainrec.cli
-from trainrec import RecorderError, TensorData, UnsupportedVersionError, read_file
-from trainrec import cbor
+from trainrec import RecorderError, TensorData, UnsupportedVersionError, cbor, read_file
 from trainrec.burn import BurnNamedMpkRecorder, BurnpackRecorder, param_id_text
 
 HERE = Path(__file__).parent
