@@ -458,7 +458,8 @@ _BUILTIN = _BUILTIN + (  # after trainrec's own: `.mpk` names trainrec's NamedMp
            "the gzip stream's CRC-32 (gzip's own), the msgpack structure, Burn's metadata, and every "
            "tensor's dtype, shape and byte count (gzip's CRC covers the bytes as compressed, not "
            "what Burn serialized)"),
-    Format("burn.bin", (".bin",), _burn_sniff("sniff_bin"), _burn("read_bin"),
+    # no extension: `.bin` names many formats; a Bin file is told by its first bytes alone
+    Format("burn.bin", (), _burn_sniff("sniff_bin"), _burn("read_bin"),
            "trainrec.burn:BurnpackRecorder",
            "a Burn Bin file (BinFileRecorder, Burn <= 0.21): read_file(path, template=...) reads "
            "it with its tensors' module paths",
