@@ -99,7 +99,9 @@ def _main(argv: Sequence[str] | None) -> int:
     con.add_argument("--to", required=True, metavar="FORM",
                      help="mpk (re-encode as NamedMpk; none of the options below apply), or the target's "
                           "neutral form: torch, jax, flax.nnx, equinox, trainrec.numpy, or the name an adapter registers (spec/ADAPTERS.md section 8)")
-    con.add_argument("--template", help="record file of the target (for every --to but mpk)")
+    con.add_argument("--template", help="record file of the target (for every --to but mpk; --to burn "
+                     "without one: Burn's names and new ParamIds); a Burn module file (.bpk, Burn's .mpk) "
+                     "converts as a TrainingRecord without optimizer state")
     con.add_argument("--rules", action="append", metavar="FILE",
                      help="conversion rules: a JSON file {\"rules\": [{\"match\", \"replace\", ...}]} "
                           "(regex renames with backreferences and name maps, einops rearrange "
@@ -456,6 +458,23 @@ def _recorder_for(path: str) -> Any:
     return recorder_for(path, NativePrecisionSettings())
 
 
+def _training(header: Any, item: Item) -> Any:
+    """A file's record as a TrainingRecord: its own, or a Burn module record's (with no
+    optimizer state); None for anything else."""
+    from .burn_neutral import as_training
+    from .training import TrainingRecord
+
+    if header.record_type == "TrainingRecord":
+        return TrainingRecord.from_item(item)
+    return as_training(header, item)
+
+
+def _burn_template(source: Any) -> Any:
+    from .burn_neutral import burn_template
+
+    return burn_template(source)
+
+
 def _convert(args: argparse.Namespace) -> int:
     from .convert import ConversionError, convert, framework_of
     from .items import iter_tensors, map_tensors
@@ -492,15 +511,21 @@ def _convert(args: argparse.Namespace) -> int:
             _recorder_for(args.dst).save_item(map_tensors(item, tick), args.dst, header.record_type)
             summary: dict[str, Any] = {"dst": args.dst, "record": header.record_type, "tensors": total}
         else:
-            if not args.template:
+            if not args.template and args.to != "burn":  # a Burn target can be made from the source
                 print(f"trainrec convert: --to {args.to} needs --template", file=sys.stderr)
                 return 2
-            if header.record_type != "TrainingRecord":
+            found = _training(header, item)
+            if found is None:
                 print(_printable(f"trainrec convert: {args.src} holds a {header.record_type}, "
                                  "not a TrainingRecord"), file=sys.stderr)
                 return 2
-            source: TrainingRecord[Any] = TrainingRecord.from_item(item)
-            template: TrainingRecord[Any] = TrainingRecord.from_item(read_file(args.template)[1])
+            source: TrainingRecord[Any] = found
+            template: TrainingRecord[Any] | None = (_training(*read_file(args.template)) if args.template
+                                                   else _burn_template(source))
+            if template is None:
+                print(_printable(f"trainrec convert: the template {args.template} holds no TrainingRecord"),
+                      file=sys.stderr)
+                return 2
             if framework_of(template) != args.to:
                 print(_printable(f"trainrec convert: the template is a {framework_of(template)} record, "
                                  f"not {args.to}"), file=sys.stderr)
@@ -519,6 +544,13 @@ def _convert(args: argparse.Namespace) -> int:
             summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,
                        "parameters": sum(1 for _ in iter_tensors(converted.model.item)),
                        "pending_gradients": len(converted.grads.grads)}
+            opt_state = converted.optimizer.item
+            if args.to == "burn" and isinstance(opt_state, dict) and opt_state.get("tensors"):
+                from .burn import (
+                    optimizer_path,  # BurnpackRecorder wrote Burn's optimizer record there
+                )
+
+                summary["optimizer"] = str(optimizer_path(args.dst))
     except ConversionError as e:
         print(f"trainrec convert: refused: {_message(e, lines=True)}", file=sys.stderr)
         return 4

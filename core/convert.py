@@ -289,6 +289,7 @@ _BUILTIN: dict[str, str] = {
     "flax.nnx": "trainrec.adapters.jax.neutral:NNX_FORM",
     "equinox": "trainrec.adapters.jax.neutral:EQX_FORM",
     "trainrec.numpy": "trainrec.adapters.numpy.neutral:FORM",
+    "burn": "trainrec.burn_neutral:FORM",
 }
 
 

@@ -38,7 +38,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CorruptRecordError, RecorderError
+from .errors import CorruptRecordError, RecorderError, reading
 
 if TYPE_CHECKING:
     from .format import Header
@@ -221,6 +221,10 @@ def resolve_format(path: str | Path, head: bytes) -> Format:
     found = _sniffed(head)
     if named is not None and named in found:
         return named
+    lower = Path(path).name.lower()
+    for fmt in found:  # another format with the same extension (Burn's `.mpk`, trainrec's)
+        if any(lower.endswith(ext.lower()) for ext in fmt.extensions):
+            return fmt
     if found:
         if named is None:
             return found[0]
@@ -299,7 +303,9 @@ def _sniff_flax(head: bytes) -> bool:
         return False
     if b"trainrec.flax" in head:
         return True
-    return b"trainrec" not in head and b"namedmpk" not in head
+    from .burn import sniff_namedmpk
+
+    return b"trainrec" not in head and b"namedmpk" not in head and not sniff_namedmpk(head)
 
 
 def _read_namedmpk(path: Path, mmap: bool) -> tuple[Header, Item]:
@@ -310,7 +316,12 @@ def _read_namedmpk(path: Path, mmap: bool) -> tuple[Header, Item]:
 
 
 def _read_gz(path: Path, mmap: bool) -> tuple[Header, Item]:
+    from . import burn
     from .precision import NativePrecisionSettings
+
+    with reading(str(path)):
+        if burn.gz_is_burn(burn.gz_head(path)):  # Burn's NamedMpkGzFileRecorder, by content
+            return burn.read_namedmpk_gz(path, mmap)
     from .recorders import NamedMpkGzFileRecorder
 
     return NamedMpkGzFileRecorder(NativePrecisionSettings()).read(path)
@@ -408,6 +419,55 @@ _BUILTIN: tuple[Format, ...] = (
            marker="manifest.json"),
 )
 
+
+def _burn(name: str) -> Callable[..., tuple[Header, Item]]:
+    """The Burn reader `name` of `trainrec.burn`, imported when first used."""
+    def read(path: Path, mmap: bool) -> tuple[Header, Item]:
+        from . import burn
+
+        result: tuple[Header, Item] = getattr(burn, name)(path, mmap)
+        return result
+    return read
+
+
+def _burn_sniff(name: str) -> Callable[[bytes], bool]:
+    def sniff(head: bytes) -> bool:
+        from . import burn
+
+        return bool(getattr(burn, name)(head))
+    return sniff
+
+
+_BURN_UNCHECKED = ("Burn keeps no checksum: a flipped bit inside a tensor's bytes, or a changed "
+                   "value of the same size, cannot be told")
+_BUILTIN = _BUILTIN + (  # after trainrec's own: `.mpk` names trainrec's NamedMpk first
+    Format("burn.burnpack", (".bpk",), _burn_sniff("sniff_burnpack"), _burn("read_burnpack"),
+           "trainrec.burn:BurnpackRecorder",
+           "a Burnpack file (Burn >= 0.22): trainrec.burn.BurnpackRecorder reads it",
+           "the header, the CBOR metadata, and every tensor's dtype, shape and byte range "
+           f"against the file (in it, no overlaps); not the tensors' values: {_BURN_UNCHECKED}"),
+    Format("burn.namedmpk", (".mpk",), _burn_sniff("sniff_namedmpk"), _burn("read_namedmpk"),
+           "trainrec.burn:BurnNamedMpkRecorder",
+           "a Burn NamedMpk file (NamedMpkFileRecorder, Burn <= 0.21): "
+           "trainrec.burn.BurnNamedMpkRecorder reads it",
+           "the msgpack structure, Burn's metadata, and every tensor's dtype, shape and byte "
+           f"count; not the tensors' values: {_BURN_UNCHECKED}"),
+    Format("burn.namedmpk.gz", (".mpk.gz",), _burn_sniff("sniff_namedmpk_gz"), _burn("read_namedmpk_gz"),
+           "trainrec.burn:BurnNamedMpkRecorder",
+           "a gzip Burn NamedMpk file (NamedMpkGzFileRecorder, Burn <= 0.21): read_file reads it",
+           "the gzip stream's CRC-32 (gzip's own), the msgpack structure, Burn's metadata, and every "
+           "tensor's dtype, shape and byte count (gzip's CRC covers the bytes as compressed, not "
+           "what Burn serialized)"),
+    # no extension: `.bin` names many formats; a Bin file is told by its first bytes alone
+    Format("burn.bin", (), _burn_sniff("sniff_bin"), _burn("read_bin"),
+           "trainrec.burn:BurnpackRecorder",
+           "a Burn Bin file (BinFileRecorder, Burn <= 0.21): read_file(path, template=...) reads "
+           "it with its tensors' module paths",
+           "Burn's metadata and every parameter's ParamId, dtype, shape and byte count, in the "
+           "order the template gives, and that nothing follows them (without a template: in file "
+           "order, and not how many there are: a file cut after a parameter reads); not the "
+           f"tensors' values: {_BURN_UNCHECKED}"),
+)
 
 BUILTIN_FORMATS = _BUILTIN
 """The formats trainrec ships (whose readers `read_file` trusts to return items)."""

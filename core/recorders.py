@@ -274,14 +274,18 @@ class CompactRecorder(NamedMpkFileRecorder):
         return "NamedMpkFileRecorder"
 
 
-def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Header, Item]:
+def read_file(path: str | os.PathLike[str], *, mmap: bool = False, template: Any = None) -> tuple[Header, Item]:
     """Header and item of any record file of a registered format (`trainrec.formats`),
     with only core installed: NamedMpk (plain or gzip), `.pt` (`TorchFileRecorder`'s, read
     without torch), flax msgpack, and any format a third party registers; and an Orbax
     checkpoint directory of `OrbaxRecorder`'s (which needs orbax-checkpoint).
 
     The format is the one the file's first bytes say; its extension only decides between
-    formats that both accept them. `mmap=True` maps the file where the format can.
+    formats that both accept them. `mmap=True` maps the file where the format can. Burn's
+    own files read too (`trainrec.burn`: Burnpack, NamedMpk, NamedMpk.gz, Bin); `template`
+    is for a Burn Bin file, which holds no names: a Burn record of the same module (or a
+    path to one, or a record whose parameters a neutral form names) gives the structure,
+    so its tensors are keyed by module path (without one: in file order, 0, 1, ...).
 
     Raises:
         FileMissingError: no such file, or a directory no format of directories claims.
@@ -293,6 +297,12 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False) -> tuple[Head
 
     p = path_arg(path)
     fmt = resolve_directory_format(p) if p.is_dir() else resolve_format(p, _head(p))
+    if template is not None:
+        if fmt.name != "burn.bin":
+            raise TypeError(f"template is for Burn Bin files; {p} is {fmt.description or fmt.name}")
+        from .burn import read_bin
+
+        return read_bin(p, mmap, template)
     try:
         got = fmt.reader(p, mmap)
     except (RecorderError, OSError):
