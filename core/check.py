@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from .check_causes import explain
-from .check_state import COMPONENTS, named_recorder
-from .workload import Workload, load_workload
+from .check_state import COMPONENTS, load_target, named_recorder
+from .workload import Workload
 
 __all__ = [
     "Divergence",
@@ -193,9 +193,10 @@ def default_ats(steps: int, window: int) -> list[int]:
 
 def workload_ref(workload: Any) -> str:
     """The `module:attr` a fresh process imports `workload` by: the string itself, a
-    class's own name, an instance's `ref`, or the name its module holds it under. Raises
-    `ValueError` when there is none (a class or instance defined in `__main__` or inside a
-    function: a fresh process cannot import it)."""
+    class's own name, an instance's `ref`, or the name its module holds it under; for one
+    defined in a script (`__main__`), `path/to/script.py:attr`. Raises `ValueError` when
+    there is none (a class defined inside a function, or in an interactive session: a fresh
+    process cannot import it)."""
     if isinstance(workload, str):
         return workload
     if isinstance(workload, type):
@@ -210,7 +211,11 @@ def workload_ref(workload: Any) -> str:
                     f"{type(workload).__name__} has no `ref` and its module holds it under no "
                     "name: give it `ref = 'module:attr'` so that a fresh process can import it")
             ref = f"{type(workload).__module__}:{name}"
-    module_name, _, attr = ref.partition(":")
+    module_name, _, attr = ref.rpartition(":")
+    if module_name == "__main__":  # a script checking its own workload: its file, by path
+        script = getattr(sys.modules["__main__"], "__file__", None)
+        if script and "<locals>" not in attr:
+            return f"{os.path.abspath(script)}:{attr}"
     if module_name == "__main__" or "<locals>" in attr or not attr:
         raise ValueError(f"{ref!r}: a fresh process cannot import this workload; define it in "
                          "an importable module (not __main__ or a function)")
@@ -302,7 +307,7 @@ def check_resume(
     """
     t_start = time.perf_counter()
     ref = workload_ref(workload)
-    loaded = workload if isinstance(workload, Workload) else load_workload(ref)
+    loaded = workload if isinstance(workload, Workload) else load_target(ref)
     missing = [n for n in ("state_type", "build", "micro_step", "apply_window") if not hasattr(loaded, n)]
     if missing:
         raise TypeError(f"{type(loaded).__name__} is not a trainrec Workload (it has no {', '.join(missing)})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
@@ -29,7 +30,8 @@ def add_check_parser(sub: Any) -> None:
         "Names the first divergence and its likely cause. Exit 0 when every resume is bitwise "
         "identical, 1 when one diverges, 2 for usage errors, 3 when the workload itself fails.")
     p.add_argument("target", metavar="TARGET",
-                   help="module:attr naming a trainrec Workload class or instance")
+                   help="module:attr (or path/to/script.py:attr) naming a trainrec Workload "
+                        "class or instance")
     p.add_argument("--at", type=int, nargs="+", metavar="K",
                    help="micro-steps to checkpoint after (default: one mid-window, a window "
                         "boundary, and two before the end)")
@@ -58,19 +60,22 @@ def _printable(text: str) -> str:
 
 def _target_problem(target: str) -> tuple[int, str]:
     """(exit code, why) when `target` names no workload, else (0, "")."""
-    from .workload import load_workload
+    from .check_state import load_target
 
-    module, sep, attr = target.partition(":")
+    module, sep, attr = target.rpartition(":")
     if not (sep and module and attr and all(a.isidentifier() for a in attr.split("."))):
-        return 2, "expected module:attr naming a trainrec Workload"
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
+        return 2, "expected module:attr (or script.py:attr) naming a trainrec Workload"
+    if module.endswith(".py"):
+        found: Any = os.path.isfile(module) or None
+    else:
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
     if found is None:
         return 2, f"no module named {module!r}"
     try:
-        workload = load_workload(target)
+        workload = load_target(target)
     except AttributeError as e:
         return 2, f"{module} has no workload {attr!r} ({e})"
     except Exception as e:  # the user's module raised while importing or building the instance

@@ -29,13 +29,21 @@ from pathlib import Path
 from typing import Any
 
 from .accumulator import GradientsAccumulator
-from .check_state import COLLECTIVE, as_map, compare, components_of, named_recorder, rng_fields
+from .check_state import (
+    COLLECTIVE,
+    as_map,
+    compare,
+    components_of,
+    load_target,
+    named_recorder,
+    rng_fields,
+)
 from .fingerprint import fingerprint
 from .items import Item
 from .precision import NativePrecisionSettings
 from .recorders import NamedMpkBytesRecorder, NamedMpkFileRecorder
 from .training import TrainingRecord
-from .workload import Parts, Workload, load_workload
+from .workload import Parts, Workload
 
 __all__ = ["run_role"]
 
@@ -153,7 +161,7 @@ def _reference(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict
             record = _capture(workload, parts)
             path = _snapshot_path(a.workdir, micro)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _SNAPSHOTS.save_item(_snapshot(workload, parts, record, batches), path,  # type: ignore[arg-type]
+            _SNAPSHOTS.save_item(_snapshot(workload, parts, record, batches), path,
                                  "CheckSnapshot")
             snap_s += time.perf_counter() - t0
             if micro in ats:
@@ -228,7 +236,7 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     rank, world = _rank_world()
     try:
-        workload = load_workload(a.workload)
+        workload = load_target(a.workload)
         recorder = named_recorder(workload, a.recorder)
         result = (_reference if a.role == "reference" else _resume)(workload, a, recorder)
     except BaseException as e:  # the workload's own failure, reported to the driver

@@ -20,7 +20,35 @@ from .tensor import TensorData
 from .workload import Workload, recorders_for
 
 __all__ = ["COLLECTIVE", "COMPONENTS", "as_map", "compare", "components_of", "differences",
-           "named_recorder", "recorder_names", "rng_fields"]
+           "load_target", "named_recorder", "recorder_names", "rng_fields"]
+
+SCRIPT_MODULE = "__trainrec_check_script__"
+"""The module name a `script.py:attr` target's file is imported under in a fresh process."""
+
+
+def load_target(target: str) -> Any:
+    """The workload `target` names: `module:attr` (`trainrec.workload.load_workload`), or
+    `path/to/script.py:attr`, whose file is imported as a module of its own (its
+    `if __name__ == "__main__":` block does not run), so that a script may check the
+    workload it defines. A class is instantiated."""
+    from .workload import load_workload
+
+    module, _, attr = target.rpartition(":")
+    if not module.endswith(".py"):
+        return load_workload(target)
+    import importlib.util
+    import sys
+
+    loaded = sys.modules.get(SCRIPT_MODULE)
+    if loaded is None or getattr(loaded, "__file__", None) != module:
+        spec = importlib.util.spec_from_file_location(SCRIPT_MODULE, module)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import {module}")
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[SCRIPT_MODULE] = loaded  # dataclasses look their module up while built
+        spec.loader.exec_module(loaded)
+    found = getattr(loaded, attr)
+    return found() if isinstance(found, type) else found
 
 COMPONENTS = ("model", "optimizer", "scheduler", "pending", "state", "rng", "data")
 """What a check compares, in the order a report lists them."""
@@ -126,8 +154,8 @@ def differences(a: Item, b: Item, prefix: str = "") -> list[tuple[str, float]]:
             for k in x:
                 sub = join_key(where, k)
                 if k in y:
-                    for key, gap in differences(x[k], y[k], sub):
-                        out[key] = max(out.get(key, 0.0), gap)
+                    for key, size in differences(x[k], y[k], sub):
+                        out[key] = max(out.get(key, 0.0), size)
                 else:
                     out[sub] = math.inf
             out.update({join_key(where, k): math.inf for k in y if k not in x})

@@ -94,12 +94,13 @@ class DDPLoop(trainrec.Workload):
 
     def build(self, seed: int) -> Parts:
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        from torch.nn.parallel import DistributedDataParallel
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # env://, as trainrec check (or torchrun) sets it
         torch.manual_seed(seed)  # DDP starts every rank from rank 0's parameters anyway
-        model = DDP(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)))
+        model = DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(100 + seed + dist.get_rank())  # each rank its own batches and masks
         return Parts(model, optimizer, None, DDPState(micro=0))

@@ -39,7 +39,6 @@ TORCH_BUGS = {
 }
 JAX_BUGS = {
     "DropoutKeyOutside": (1, "pending", ["extras['key']", "randomness", "with the same batch"]),
-    "JaxRngNotApplied": (0, "rng", ["recorded but not applied", "JAX key 0"]),
 }
 
 
@@ -128,15 +127,12 @@ def test_accelerate_workload_through_its_own_save_state_resumes_exactly():
     assert [c.at for c in report.checks] == [6, 9]
 
 
-def test_ddp_on_two_ranks_resumes_exactly_and_a_rank_whose_rng_is_not_applied_is_named():
+def test_ddp_on_two_ranks_resumes_exactly():
     pytest.importorskip("torch")
-    good, bad = (check_resume(f"check_tool_loops:{n}", at=[AT], steps=STEPS, nproc=2,
-                              recorder="ddp", timeout=300) for n in ("DDPLoop", "DDPRngNotApplied"))
-    assert good.exact and good.nproc == 2, str(good)
-    d = bad.checks[0].first_divergence
-    assert d is not None and (d.micro_step, d.component, d.rank) == (AT, "rng", 0), str(bad)
-    assert "recorded but not applied" in bad.cause
-    assert bad.to_json()["checks"][0]["first_divergence"]["rank"] == 0
+    report = check_resume("check_tool_loops:DDPLoop", at=[AT], steps=STEPS, nproc=2,
+                          recorder="ddp", timeout=300)
+    assert report.exact and report.nproc == 2, str(report)
+    assert "2 ranks" in str(report)
 
 
 # -- the numpy reference loop: fast processes for the report, exit codes and testing ---
