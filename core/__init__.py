@@ -10,6 +10,7 @@ Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 from ._version import __version__
 from .accumulator import GradientsAccumulator
 from .array_api import ArrayApiAdapter, ArrayApiBackend
+from .check import ResumeReport, check_resume
 from .convert import register_neutral_form
 from .dtypes import DType, FloatDType
 from .errors import (
@@ -61,6 +62,7 @@ from .records import RngRecord, StateRecord, record
 from .registry import Adapter, adapt, register_adapter
 from .tensor import ShardedTensor, TensorData
 from .training import RestoredTraining, TrainingRecord
+from .workload import Parts, Workload, train_until
 
 __all__ = [
     "__version__",
@@ -100,6 +102,7 @@ __all__ = [
     "NamedMpkGzFileRecorder",
     "NativePrecisionSettings",
     "Optimizer",
+    "Parts",
     "ParamId",
     "Precision",
     "Preemption",
@@ -109,13 +112,16 @@ __all__ = [
     "RecorderError",
     "RecordMismatchError",
     "RestoredTraining",
+    "ResumeReport",
     "RngRecord",
     "StateRecord",
     "TensorData",
     "ShardedTensor",
     "TrainingRecord",
     "UnsupportedVersionError",
+    "Workload",
     "adapt",
+    "check_resume",
     "first_lossy",
     "is_lossless",
     "read_file",
@@ -123,4 +129,5 @@ __all__ = [
     "register_adapter",
     "register_format",
     "register_neutral_form",
+    "train_until",
 ]

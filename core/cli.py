@@ -1,8 +1,8 @@
 """The `trainrec` command line (also `python -m trainrec`).
 
 Exit codes: 0 success, 1 the check failed (corrupt file, records differ, inexact
-resume), 2 usage errors, 3 a file could not be read or written as a record, 4 a
-conversion was refused (the message lists every reason).
+resume), 2 usage errors, 3 a file could not be read or written as a record (`check`: the
+workload itself failed), 4 a conversion was refused (the message lists every reason).
 
 Safe to point at any file: only regular files are read (a FIFO, device or directory is
 refused with exit 3 before it is opened), and every string that comes from a file or a
@@ -118,6 +118,10 @@ def _main(argv: Sequence[str] | None) -> int:
                      help="round values into a template's narrower dtypes (refused by default)")
     con.add_argument("--json", action="store_true")
 
+    from .check_cli import add_check_parser
+
+    add_check_parser(sub)  # `trainrec check TARGET` (core/check_cli.py)
+
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -140,6 +144,10 @@ def _main(argv: Sequence[str] | None) -> int:
         except OSError as e:  # e.g. --workdir names a file, or a place it cannot write
             print(f"trainrec demo: {_message(e)}", file=sys.stderr)
             return 3
+    if args.command == "check":
+        from .check_cli import run_check
+
+        return run_check(args)
     if args.command == "inspect":
         return _inspect(args.file, args.json)
     if args.command == "verify":

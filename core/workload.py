@@ -1,11 +1,12 @@
-"""`Workload`: an adapter's small training job, which `trainrec demo` and the
-conformance suite drive.
+"""`Workload`: a training loop described in five methods, which `trainrec check`,
+`trainrec demo` and the conformance suite drive.
 
 A workload builds a model, optimizer, scheduler and caller state (`Parts`) and runs one
 micro-step of gradient accumulation at a time; `train_until` strings micro-steps into
-accumulation windows. Each adapter ships its own (`trainrec.adapters.<name>.demo`), a
-third-party adapter writes one for its tests (spec/ADAPTERS.md, section 4), and
-`load_workload` finds either by name.
+accumulation windows. Users describe their own loop as one (`trainrec check module:attr`
+proves that it resumes exactly, README "Checking your own loop"); each adapter ships its own
+(`trainrec.adapters.<name>.demo`), a third-party adapter writes one for its tests
+(spec/ADAPTERS.md, section 4), and `load_workload` finds any of them by name.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import numpy as np
 
 from .accumulator import GradientsAccumulator
 from .dtypes import DType
+from .fingerprint import fingerprint
+from .items import Item
 from .precision import NativePrecisionSettings
 from .protocols import AutodiffBackend, Recorder
 from .recorders import NamedMpkBytesRecorder, NamedMpkFileRecorder, NamedMpkGzFileRecorder
@@ -28,7 +31,14 @@ __all__ = ["CORE_RECORDERS", "Parts", "Workload", "load_workload", "recorders_fo
 
 @dataclass
 class Parts:
-    """The live objects of one training run."""
+    """The live objects of one training run.
+
+    `model`, `optimizer`, `scheduler` (or None), `state` (your `@trainrec.record`, with an
+    int field `micro`) and `accumulator` (the pending gradients) are what a checkpoint
+    holds. `extras` holds everything else the loop uses (data iterators, generators, a
+    GradScaler, jitted steps): `trainrec check` compares them too after a resume, to name
+    one that the checkpoint does not carry. `batches` is what the current micro-step
+    reported with `report_batch`."""
 
     model: Any
     optimizer: Any
@@ -36,23 +46,43 @@ class Parts:
     state: Any
     accumulator: GradientsAccumulator[Any] = field(default_factory=GradientsAccumulator)
     extras: dict[str, Any] = field(default_factory=dict)
+    batches: list[Item] = field(default_factory=list)
+
+    def report_batch(self, batch: Any) -> None:
+        """Tell `trainrec check` what this micro-step consumed, so that it can tell the data
+        from the arithmetic: sample ids (ints, a list or an integer array of up to
+        `trainrec.fingerprint.MAX_IDS`, shown in its report) or the batch itself (arrays,
+        tensors or a tuple or dict of them, kept as a SHA-256). Call it in `micro_step`;
+        several calls in one micro-step are kept in order. Costs a host copy of what it is
+        given; outside a check it is kept until the next micro-step of a check only."""
+        self.batches.append(fingerprint(batch))
 
 
 class Workload:
-    """Subclass and fill in the training job; the defaults cover the rest.
+    """A training loop, one micro-step at a time: subclass it and fill in the job.
 
-    Required: `ref` (an importable `"module:attr"` naming this workload, for fresh
-    processes), `state_type` (a `@trainrec.record` dataclass with an int field `micro`),
-    `build(seed)`, `micro_step(parts)` (draw a batch, compute gradients, accumulate them
-    into `parts.accumulator`, keeping every RNG in the state) and `apply_window(parts,
-    window)` (take `parts.accumulator.grads()`, step optimizer and scheduler).
-    Optional: `before_capture` / `after_restore` (move framework RNG into / out of the
-    state), `device`, `dtypes` (those the backend supports), `recorders` (the adapter's
+    Required: `state_type` (a `@trainrec.record` dataclass with an int field `micro`,
+    which the driver counts), `build(seed)` (fresh `Parts`: seed everything, so two
+    processes built with the same seed compute the same bits), `micro_step(parts)` (draw
+    a batch, compute gradients, accumulate them into `parts.accumulator`, or into `.grad`
+    where the framework accumulates there) and `apply_window(parts, window)` (take the
+    window's gradients, step optimizer and scheduler).
+    Optional: `before_capture(parts)` (put the framework RNG into `parts.state` right
+    before a checkpoint), `after_restore(parts)` (put it back after a restore, before the
+    next batch), `ref` (`"module:attr"` naming this workload for fresh processes; a class
+    or `TARGET` names itself), `window` (the default accumulation window), `device`,
+    `rng_fields` (the state fields that hold RNG state, where their names or types do not
+    say so: `trainrec check` reports them as `rng`), `save_checkpoint(parts, path)` and
+    `load_checkpoint(parts, path)` (a tool's own save and resume, such as Accelerate's
+    `save_state` / `load_state`, in place of a trainrec recorder).
+    For adapter authors: `dtypes` (those the backend supports), `recorders` (the adapter's
     own, by name), `native_objects(parts)` (objects `trainrec.adapt` must resolve),
     `reorder(parts)` (the same parameters in another order, where the framework allows it),
     `native_grads` / `set_native_grads` (gradients pending in the framework's own gradient
     slots, torch's `.grad`), `overwrite(parts, tensor, array)` (write into a tensor in
     place, as a compiled step reusing its output buffers does).
+    The micro-steps are run by `train_until`: `micro_step`, then `state.micro += 1`, then
+    `apply_window` when `state.micro` is a multiple of the window.
     """
 
     name: ClassVar[str] = "adapter"
@@ -62,6 +92,7 @@ class Workload:
     dtypes: ClassVar[tuple[DType, ...]] = tuple(DType)
     recorders: ClassVar[dict[str, Recorder]] = {}
     window: ClassVar[int] = 4
+    rng_fields: ClassVar[tuple[str, ...]] = ()
 
     def build(self, seed: int) -> Parts:
         raise NotImplementedError

@@ -1,0 +1,401 @@
+"""`trainrec check`: prove that a training loop resumes exactly, and say what broke it.
+
+`check_resume(workload)` runs the loop (a `trainrec.Workload`) without stopping, and for
+each `at=K` checkpoints it after micro-step K, resumes in a fresh process and compares the
+whole training state with the uninterrupted run's right after the restore (micro-step K)
+and after every following micro-step: model, optimizer, scheduler, pending gradients, the
+caller's state field by field, RNG states, and the batch each micro-step consumed where it
+reports one (`Parts.report_batch`). The `ResumeReport` names the first divergence (micro-step,
+component, key, max abs difference) and the likely cause with its fix, worked out from where
+and when the divergence first appears (`trainrec.check_causes`).
+
+The processes are the roles of `trainrec.check_run`: one reference run (it also writes the
+checkpoints: a save does not change the run) and one fresh process per `at`, two at a time.
+Cost: the reference trains `steps` micro-steps and each resume `steps - K`, so the check's
+wall time stays under (1 + len(at)) times the training time plus one process start-up each.
+The reference keeps one snapshot of the training state per micro-step from the first `at` on,
+in `workdir` (a temporary directory unless given): about (steps - min(at) + 1) times the
+size of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .check_causes import explain
+from .check_state import COMPONENTS, load_target, named_recorder
+from .workload import Workload
+
+__all__ = [
+    "Divergence",
+    "ResumeCheck",
+    "ResumeReport",
+    "WorkloadError",
+    "check_resume",
+    "default_ats",
+    "workload_ref",
+]
+
+_AT_RESTORE = ("pending", "model", "scheduler", "optimizer", "state", "rng", "data")
+_AFTER = ("data", "rng", "state", "pending", "model", "optimizer", "scheduler")
+
+
+class WorkloadError(RuntimeError):
+    """The workload itself failed (an exception in `build`, `micro_step`, a save or a
+    restore, or a process that died): `trainrec check` exits 3. The message holds the
+    failing role's traceback."""
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a resumed run first departs from the uninterrupted one: after `micro_step`
+    micro-steps (K: right after the restore), in `component` (one of `COMPONENTS`), at
+    `key` (its path inside the component), by `max_abs_diff` (inf where the difference has
+    no size: another shape or key set, a string, a hash); `rank` under `nproc > 1`."""
+
+    micro_step: int
+    component: str
+    key: str
+    max_abs_diff: float
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"micro_step": self.micro_step, "component": self.component,
+                               "key": self.key, "max_abs_diff": _finite(self.max_abs_diff)}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
+
+
+@dataclass(frozen=True)
+class ResumeCheck:
+    """One resume: checkpointed after micro-step `at`, resumed in a fresh process.
+
+    `curve[i]` is, for micro-step `at + i`, the max difference of each component against
+    the uninterrupted run (0.0 where bitwise equal); `without_pending` the same for the
+    resume without its pending gradients (when it was run: `plot=`). `differing` lists every
+    difference at the first divergent micro-step."""
+
+    at: int
+    first_divergence: Divergence | None
+    cause: str
+    curve: tuple[dict[str, float], ...]
+    differing: tuple[Divergence, ...] = ()
+    without_pending: tuple[dict[str, float], ...] | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.first_divergence is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "exact": self.exact,
+                "first_divergence": None if self.first_divergence is None
+                else self.first_divergence.to_json(), "cause": self.cause}
+
+
+@dataclass(frozen=True)
+class ResumeReport:
+    """What `check_resume` found; `exact` when every resume was bitwise identical."""
+
+    workload: str
+    steps: int
+    window: int
+    recorder: str
+    nproc: int
+    checks: tuple[ResumeCheck, ...]
+    wall_s: float
+    train_s: float
+    """The reference run's time in `micro_step` and `apply_window` (plain training)."""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def exact(self) -> bool:
+        return all(c.exact for c in self.checks)
+
+    @property
+    def cause(self) -> str:
+        """The cause of the first resume that diverged ("" when all are exact)."""
+        return next((c.cause for c in self.checks if not c.exact), "")
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` object: `{"exact", "checks": [{"at", "exact", "first_divergence",
+        "cause"}], "cause", ...}`; a non-finite difference is `null`."""
+        return {"exact": self.exact, "checks": [c.to_json() for c in self.checks],
+                "cause": self.cause, "workload": self.workload, "steps": self.steps,
+                "window": self.window, "recorder": self.recorder, "nproc": self.nproc,
+                "wall_s": self.wall_s, "train_s": self.train_s, **self.timings}
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _gap_text(x: float) -> str:
+    return "no size (another shape, kind or value)" if not math.isfinite(x) else f"{x:.3g}"
+
+
+def format_report(report: ResumeReport) -> str:
+    """The report as `trainrec check` prints it."""
+    lines = [f"trainrec check: {report.workload}: {report.steps} micro-steps, window "
+             f"{report.window}, recorder {report.recorder}"
+             + (f", {report.nproc} ranks" if report.nproc > 1 else "")]
+    for c in report.checks:
+        pending = c.at % report.window
+        where = f"resume after micro-step {c.at} ({pending} of {report.window} pending)"
+        d = c.first_divergence
+        if d is None:
+            lines.append(f"  {where}: bitwise identical at {c.at}..{report.steps}")
+            continue
+        step = "right after the restore" if d.micro_step == c.at else \
+            f"after micro-step {d.micro_step} (K+{d.micro_step - c.at})"
+        rank = f" on rank {d.rank}" if d.rank is not None else ""
+        lines.append(f"  {where}: DIVERGES {step}{rank}: {d.component} {d.key}, max abs "
+                     f"diff {_gap_text(d.max_abs_diff)}")
+        others = [o for o in c.differing if (o.component, o.key) != (d.component, d.key)]
+        if others:
+            shown = ", ".join(f"{o.component} {o.key}" for o in others[:4])
+            more = f" and {len(others) - 4} more" if len(others) > 4 else ""
+            lines.append(f"    also differing then: {shown}{more}")
+        lines.append(f"    cause: {c.cause}")
+    lines.append(f"  wall time {report.wall_s:.1f} s (training {report.train_s:.2f} s of "
+                 f"the reference run)")
+    lines.append("RESULT: every resume is bitwise exact" if report.exact
+                 else "RESULT: resume is NOT exact")
+    return "\n".join(lines)
+
+
+# -- the check ------------------------------------------------------------------------------
+
+
+def default_ats(steps: int, window: int) -> list[int]:
+    """A mid-window micro-step (in the second window, where optimizer state exists), a
+    window boundary and one two micro-steps before the end, each within 0 < K < steps."""
+    mid = window + max(1, window // 2) if window > 1 else 1
+    candidates = [mid, 2 * window, steps - 2]
+    return sorted({k for k in candidates if 0 < k < steps})
+
+
+def workload_ref(workload: Any) -> str:
+    """The `module:attr` a fresh process imports `workload` by: the string itself, a
+    class's own name, an instance's `ref`, or the name its module holds it under; for one
+    defined in a script (`__main__`), `path/to/script.py:attr`. Raises `ValueError` when
+    there is none (a class defined inside a function, or in an interactive session: a fresh
+    process cannot import it)."""
+    if isinstance(workload, str):
+        return workload
+    if isinstance(workload, type):
+        ref = f"{workload.__module__}:{workload.__qualname__}"
+    else:
+        ref = getattr(workload, "ref", "") or ""
+        if not ref:
+            module = sys.modules.get(type(workload).__module__)
+            name = next((k for k, v in vars(module).items() if v is workload), None) if module else None
+            if name is None:
+                raise ValueError(
+                    f"{type(workload).__name__} has no `ref` and its module holds it under no "
+                    "name: give it `ref = 'module:attr'` so that a fresh process can import it")
+            ref = f"{type(workload).__module__}:{name}"
+    module_name, _, attr = ref.rpartition(":")
+    if module_name == "__main__":  # a script checking its own workload: its file, by path
+        script = getattr(sys.modules["__main__"], "__file__", None)
+        if script and "<locals>" not in attr:
+            return f"{os.path.abspath(script)}:{attr}"
+    if module_name == "__main__" or "<locals>" in attr or not attr:
+        raise ValueError(f"{ref!r}: a fresh process cannot import this workload; define it in "
+                         "an importable module (not __main__ or a function)")
+    return ref
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _child_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a role: this one, with this interpreter's import path in front
+    (what imported the workload here imports it there: a test's directory, a script's)."""
+    env = dict(os.environ)
+    paths = [p or os.getcwd() for p in sys.path if os.path.isdir(p or os.getcwd())]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+    env.update(extra)
+    return env
+
+
+def _launch(args: list[str], out: Path, nproc: int, timeout: float, label: str) -> list[dict[str, Any]]:
+    """Run one role as `nproc` ranks; their results, rank by rank. Raises `WorkloadError`
+    when a rank fails, dies or outlives `timeout` (every rank is then killed)."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(nproc):
+        dist = {} if nproc == 1 else {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        rank_out = out.with_name(f"{out.name}-r{rank}.json")
+        cmd = [sys.executable, "-m", "trainrec.check_run", *args, "--out", str(rank_out)]
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, env=_child_env(dist)), rank_out))
+    deadline = time.monotonic() + timeout
+    results, failure = [], None
+    for proc, rank_out in procs:
+        try:
+            log, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            for p, _ in procs:
+                p.communicate()
+            raise WorkloadError(f"the {label} did not finish in {timeout:g} s") from None
+        result = json.loads(rank_out.read_text(encoding="utf-8")) if rank_out.exists() else None
+        if result is None or "error" in result:
+            detail = result["traceback"] if result else (log or "")[-4000:]
+            failure = failure or f"the {label} failed:\n{detail}"
+        else:
+            results.append(result)
+    if failure:
+        raise WorkloadError(failure)
+    return results
+
+
+def check_resume(
+    workload: Workload | type[Workload] | str, *, at: Sequence[int] | None = None,
+    steps: int | None = None, window: int | None = None, recorder: str = "mpk",
+    nproc: int = 1, seed: int = 0, plot: str | os.PathLike[str] | None = None,
+    without_pending: bool | None = None, jobs: int = 2, timeout: float = 600.0,
+    workdir: str | os.PathLike[str] | None = None,
+) -> ResumeReport:
+    """Check that `workload` resumes bitwise from a checkpoint after each micro-step of `at`.
+
+    Args:
+        workload: a `Workload` instance, class or `"module:attr"` (see `workload_ref`).
+        at: the micro-steps to checkpoint after (default `default_ats(steps, window)`).
+        steps: micro-steps in all (default three windows).
+        window: the accumulation window (default the workload's `window`).
+        recorder: a name `trainrec.check_run.named_recorder` takes (default `"mpk"`).
+        nproc: ranks per run, each with torchrun's environment (the workload initializes
+            its process group in `build`, e.g. gloo).
+        seed: given to `build`.
+        plot: a PNG to draw the curves of each resume into (needs matplotlib); also runs
+            each resume once without its pending gradients, for the curve beside it.
+        without_pending: run those resumes without `plot` too (default: when plotting).
+        jobs: processes at a time; timeout: seconds a run may take.
+        workdir: where to keep snapshots and checkpoints (default a temporary directory).
+
+    Returns: the `ResumeReport` (`report.exact`, `report.checks[i].first_divergence`,
+    `report.cause`; `str(report)` is what `trainrec check` prints).
+
+    Raises: `ValueError` / `TypeError` for a workload that cannot be named or loaded or an
+    impossible `at`, `steps`, `window` or `recorder`; `WorkloadError` when the workload
+    itself fails in a run (its traceback in the message).
+    """
+    t_start = time.perf_counter()
+    ref = workload_ref(workload)
+    loaded = workload if isinstance(workload, Workload) else load_target(ref)
+    missing = [n for n in ("state_type", "build", "micro_step", "apply_window") if not hasattr(loaded, n)]
+    if missing:
+        raise TypeError(f"{type(loaded).__name__} is not a trainrec Workload (it has no {', '.join(missing)})")
+    window = int(getattr(loaded, "window", 4)) if window is None else window
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    steps = 3 * window if steps is None else steps
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2, got {steps}")
+    ats = sorted(set(default_ats(steps, window) if at is None else at))
+    bad = [k for k in ats if not 0 < k < steps]
+    if not ats or bad:
+        raise ValueError(f"each at must be in 0 < K < steps={steps}; got {bad or 'none'}")
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    named_recorder(loaded, recorder)  # ValueError for a name it does not know
+    want_plot = plot is not None
+    if want_plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("plot= needs matplotlib: pip install 'trainrec[plot]'")
+    drop = want_plot if without_pending is None else without_pending
+
+    tmp = None if workdir else tempfile.TemporaryDirectory(prefix="trainrec-check-")
+    wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
+    wd.mkdir(parents=True, exist_ok=True)
+    common = ["--workload", ref, "--steps", str(steps), "--window", str(window),
+              "--recorder", recorder, "--workdir", str(wd), "--seed", str(seed)]
+    try:
+        reference = _launch(["reference", *common, "--at", *map(str, ats)], wd / "reference",
+                            nproc, timeout, "uninterrupted run")
+        runs = [(k, False) for k in ats] + ([(k, True) for k in ats] if drop else [])
+        with ThreadPoolExecutor(max_workers=max(1, jobs // nproc)) as pool:
+            done = list(pool.map(lambda run: _launch(
+                ["resume", *common, "--at", str(run[0]), *(["--drop-pending"] if run[1] else [])],
+                wd / f"{'drop' if run[1] else 'resume'}-{run[0]}", nproc, timeout,
+                f"resume after micro-step {run[0]}{' without pending gradients' if run[1] else ''}"),
+                runs))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    results = dict(zip(runs, done))
+    checks = tuple(_check(k, window, results[(k, False)], reference,
+                          results.get((k, True))) for k in ats)
+    train_s = max(r["train_s"] for r in reference)
+    timings = {"snapshot_s": max(r["snapshot_s"] for r in reference),
+               "save_s": max(r["save_s"] for r in reference)}
+    report = ResumeReport(ref, steps, window, recorder, nproc, checks,
+                          time.perf_counter() - t_start, train_s, timings)
+    if plot is not None:
+        from .check_plot import draw
+
+        draw(report, Path(plot))
+    return report
+
+
+def _curve(results: list[dict[str, Any]]) -> tuple[dict[str, float], ...]:
+    """Per micro-step, the max over ranks of each component's difference."""
+    steps = len(results[0]["steps"])
+    return tuple({c: max(r["steps"][i]["worst"].get(c, 0.0) for r in results) for c in COMPONENTS}
+                 for i in range(steps))
+
+
+def _check(at: int, window: int, resumed: list[dict[str, Any]], reference: list[dict[str, Any]],
+           dropped: list[dict[str, Any]] | None) -> ResumeCheck:
+    first: tuple[int, int, int, dict[str, Any]] | None = None  # (micro, priority, rank, result)
+    for result in resumed:
+        for step in result["steps"]:
+            if step["diffs"]:
+                order = _AT_RESTORE if step["micro"] == at else _AFTER
+                prio = min(order.index(c) for c, _, _ in step["diffs"])
+                key = (step["micro"], prio, result["rank"], result)
+                if first is None or key[:3] < first[:3]:
+                    first = key
+                break
+    curve = _curve(resumed)
+    lost = None if dropped is None else _curve(dropped)
+    if first is None:
+        return ResumeCheck(at, None, "", curve, (), lost)
+    micro, prio, rank, result = first
+    step = next(s for s in result["steps"] if s["micro"] == micro)
+    order = _AT_RESTORE if micro == at else _AFTER
+    component = order[prio]
+    shown_rank = rank if len(resumed) > 1 else None
+    rows = sorted(step["diffs"], key=lambda r: order.index(r[0]))  # stable: walk order within
+    differing = tuple(Divergence(micro, c, k, float(g), shown_rank) for c, k, g in rows)
+    divergence = next(d for d in differing if d.component == component)
+    ref_extras = next(r for r in reference if r["rank"] == rank)["extras"].get(str(at), {})
+    cause = explain(at=at, window=window, divergence=divergence, differing=differing,
+                    step=step, saved=result["saved"], ref_extras=ref_extras,
+                    got_extras=result["extras"],
+                    equal_before=[s["micro"] for s in result["steps"] if s["micro"] < micro])
+    return ResumeCheck(at, divergence, cause, curve, differing, lost)
