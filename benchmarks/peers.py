@@ -176,6 +176,7 @@ def lazy_rows(state: State, tmp: Path) -> dict[str, Callable[[], None]]:
         _ = item[small].array  # type: ignore[index, union-attr]
 
     rows["trainrec mmap=True"] = trainrec_mmap
+    rows["trainrec load(mmap=True) of a @record, one small field"] = _record_field_row(state, tmp)
     pt = tmp / "lazy.pt"
     torch.save(state, pt)
     rows["torch.load(mmap=True)"] = lambda: torch.load(pt, weights_only=True, mmap=True)[small].clone()
@@ -195,6 +196,30 @@ def lazy_rows(state: State, tmp: Path) -> dict[str, Callable[[], None]]:
         pass
     return rows
 
+
+def _record_field_row(state: State, tmp: Path) -> Callable[[], None]:
+    """`Recorder.load(..., mmap=True)` of a `@trainrec.record` holding the whole state as
+    one array field (1 GiB at the default size) and a 3-element one, reading the small
+    field only: the big one stays unread (and unverified) until it is read."""
+    import numpy as np
+
+    import trainrec
+
+    @trainrec.record
+    class Weights:
+        step: np.ndarray
+        weights: np.ndarray
+
+    path = tmp / "record-field.mpk"
+    whole = np.concatenate([t.numpy().reshape(-1) for t in state.values()])
+    recorder = trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings(), durable=False)
+    recorder.record(Weights(np.arange(3.0), whole), path)
+    del whole
+
+    def read_one_field() -> None:
+        _ = recorder.load(path, None, Weights, mmap=True).step
+
+    return read_one_field
 
 
 # -- background saves: save(step) returns when the training thread may go on ---------------

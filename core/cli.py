@@ -321,11 +321,15 @@ def _verify(path: str, as_json: bool) -> int:
 
     fmt = format_named(header.format)
     checked = fmt.verified if fmt else "nothing: this format carries no checksums (parsed only)"
+    # a directory format's own entries (DCP's shard entries), checked beside its tensors
+    entries = fmt.entries(item) if fmt is not None and fmt.entries is not None else None
     if as_json:
-        print(json.dumps({"file": path, "ok": True, "tensors": count, "bytes": total,
+        extra = {} if entries is None else {"entries": entries[1], "entry_bytes": entries[2]}
+        print(json.dumps({"file": path, "ok": True, "tensors": count, "bytes": total, **extra,
                           "verified": checked}))
     else:
-        print(_printable(f"OK: {path}: {count} tensors ({total} bytes); verified: {checked}"))
+        what = "" if entries is None else f"{entries[1]} {entries[0]} ({entries[2]} bytes) and "
+        print(_printable(f"OK: {path}: {what}{count} tensors ({total} bytes); verified: {checked}"))
     return 0
 
 

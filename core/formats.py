@@ -84,7 +84,10 @@ class Format:
     - `verified`: what a successful read has checked (printed by `trainrec verify`);
     - `marker`: for a format whose checkpoints are directories, the path inside one of
       the file whose first bytes `sniff` is given (`"trainrec/metadata"`); `""` (the
-      default) for a format of files.
+      default) for a format of files;
+    - `entries`: for a format whose reader checks entries that are not tensors of its item
+      (a DCP directory's shard entries), `entries(item) -> (what, count, bytes)` says how
+      many it checked (`trainrec verify` prints them); None (the default) otherwise.
     """
 
     name: str
@@ -95,6 +98,7 @@ class Format:
     description: str = ""
     verified: str = "nothing: this format carries no checksums (parsed only)"
     marker: str = ""
+    entries: Callable[[Item], tuple[str, int, int]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -248,6 +252,7 @@ def resolve_directory_format(path: str | Path) -> Format:
     from .errors import FileMissingError
 
     p = Path(path)
+    unreadable: OSError | None = None
     for fmt in known_formats():
         if not fmt.marker:
             continue
@@ -256,7 +261,8 @@ def resolve_directory_format(path: str | Path) -> Format:
         try:
             with open(p / fmt.marker, "rb") as f:
                 head = f.read(SNIFF_BYTES)
-        except OSError:
+        except OSError as e:  # a marker there that we may not read: said if none claims it
+            unreadable = unreadable or e
             continue
         try:
             ok = fmt.sniff(head)
@@ -264,6 +270,10 @@ def resolve_directory_format(path: str | Path) -> Format:
             raise RecorderError(f"the sniff of format {fmt.name} failed: {type(e).__name__}: {e}") from e
         if ok:
             return fmt
+    if unreadable is not None:
+        raise RecorderError(f"cannot read {unreadable.filename or 'a marker file'} to tell the "
+                            f"directory's format: {type(unreadable).__name__}: "
+                            f"{unreadable.strerror or unreadable}", source=str(path)) from unreadable
     known = ", ".join(f"{f.name} ({f.marker})" for f in known_formats() if f.marker)
     raise FileMissingError(f"a directory, not a record file (no format of directories claims "
                            f"it: {known or 'none known'})", source=str(path))
@@ -374,6 +384,15 @@ def _torch_reader(fmt: str, module: str, name: str) -> Callable[[Path, bool], tu
     return read
 
 
+def _dcp_entries(item: Item) -> tuple[str, int, int]:
+    """How many DCP entries (and bytes) `read_dcp` checked."""
+    checked = item.get("checked") if isinstance(item, dict) else None
+    entries = checked.get("entries") if isinstance(checked, dict) else None
+    nbytes = checked.get("bytes") if isinstance(checked, dict) else None
+    if not (isinstance(entries, int) and isinstance(nbytes, int)):
+        return "DCP entries", 0, 0
+    return "DCP entries", entries, nbytes
+
 
 _BUILTIN: tuple[Format, ...] = (
     Format("trainrec.namedmpk", (".mpk",), _sniff_namedmpk, _read_namedmpk,
@@ -413,10 +432,10 @@ _BUILTIN: tuple[Format, ...] = (
            "a sharded (FSDP2) checkpoint directory of torch.distributed.checkpoint: "
            "trainrec.adapters.torch.DCPRecorder loads it (shown: its entries' dtypes and "
            "shapes, every rank's scheduler and caller state)",
-           "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata and "
-           "that its chunks tile every tensor, and every DCP entry's bytes against the CRC-32 "
-           "the save recorded in the manifest",
-           marker="manifest.json"),
+           "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata (its "
+           "CRC-32, and that its chunks tile every tensor), and every DCP entry's bytes "
+           "against the CRC-32 the save recorded in the manifest",
+           marker="manifest.json", entries=_dcp_entries),
 )
 
 

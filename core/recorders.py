@@ -34,6 +34,7 @@ from .format import (
 from .items import Item, check_item
 from .precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings
 from .protocols import PrecisionSettings, Record
+from .records import lazy_fields
 from .sniff import HEAD_BYTES, reader_of
 from .tensor import handing_out
 
@@ -99,6 +100,9 @@ class RecorderBase:
                 f"payload holds a {header.record_type}, not a {expected}",
                 source=self._source(args),
             )
+        if kw.get("mmap"):  # the map's tensors: each field built when first read
+            with lazy_fields():
+                return record_type.from_item(item, device)
         with handing_out():  # `item` is this call's alone and dropped after it
             return record_type.from_item(item, device)
 

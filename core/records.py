@@ -14,7 +14,9 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
@@ -171,7 +173,106 @@ def _tensor_as(tp: Any, t: TensorData, device: Any, key: str) -> Any:
             return backend.from_host(t.take(), dev)
     if isinstance(tp, type) and issubclass(tp, np.generic) or (tp is Any and t.shape == ()):
         return t.array[()]
+    if _VIEWS.get():  # a field of a mapped load: the map's read-only view, verified now
+        return t.array
     return t.take()
+
+
+# -- lazy fields: `Recorder.load(..., mmap=True)` ------------------------------------------
+
+_LAZY: ContextVar[bool] = ContextVar("trainrec_lazy_fields", default=False)
+_VIEWS: ContextVar[bool] = ContextVar("trainrec_mapped_views", default=False)
+_PENDING = "__trainrec_pending__"
+
+
+@contextmanager
+def lazy_fields() -> Iterator[None]:
+    """While active, `from_item` of a `@record` leaves each field whose item holds a tensor
+    not read yet (a mapped load's) unbuilt until the field is first read: then its
+    tensors are verified (`ChecksumError` when damaged: the field stays unread), array
+    fields are read-only views of the map and framework tensors are copied from it."""
+    token = _LAZY.set(True)
+    try:
+        yield
+    finally:
+        _LAZY.reset(token)
+
+
+def _unread(item: Item) -> bool:
+    """Whether `item` holds a tensor whose bytes were not read (nor verified) yet."""
+    if isinstance(item, TensorData):
+        return not item.is_loaded
+    if isinstance(item, dict):
+        return any(_unread(v) for v in item.values())
+    if isinstance(item, list):
+        return any(_unread(v) for v in item)
+    return False
+
+
+def _can_defer(cls: type) -> bool:
+    """A class whose instances may have fields built later: the dataclass's own
+    `__init__` (which only assigns them), no `__post_init__`, an instance `__dict__`."""
+    code = getattr(getattr(cls, "__init__", None), "__code__", None)
+    return (code is not None and code.co_filename == "<string>"  # made by dataclasses
+            and not hasattr(cls, "__post_init__") and "__slots__" not in cls.__dict__
+            and all(f.init for f in dataclasses.fields(cls)))
+
+
+def _deferred(build: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        token = _VIEWS.set(True)
+        try:
+            return build()
+        finally:
+            _VIEWS.reset(token)
+    return run
+
+
+def _pending_fields(obj: Any) -> dict[str, Callable[[], Any]] | None:
+    try:
+        pending: dict[str, Callable[[], Any]] | None = object.__getattribute__(obj, "__dict__").get(_PENDING)
+        return pending
+    except AttributeError:
+        return None
+
+
+def _materialize(obj: Any, name: str) -> Any:
+    pending = _pending_fields(obj)
+    assert pending is not None
+    value = pending[name]()  # may raise ChecksumError: the field stays pending
+    object.__setattr__(obj, name, value)
+    del pending[name]
+    if not pending:
+        del object.__getattribute__(obj, "__dict__")[_PENDING]
+    return value
+
+
+def _lazy_hooks(cls: type) -> None:
+    """`__getattr__` (a field not built yet is built when first read) and `__getstate__`
+    (pickling and `copy` build every field first) on a `@record` class, around the
+    class's own when it has them."""
+    own_getattr = cls.__dict__.get("__getattr__")
+
+    def __getattr__(self: Any, name: str) -> Any:  # noqa: N807 - the protocol's name
+        pending = _pending_fields(self)
+        if pending is not None and name in pending:
+            return _materialize(self, name)
+        if own_getattr is not None:
+            return own_getattr(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    own_getstate = cls.__dict__.get("__getstate__")
+
+    def __getstate__(self: Any) -> Any:  # noqa: N807
+        pending = _pending_fields(self)
+        for name in list(pending or ()):
+            _materialize(self, name)
+        if own_getstate is not None:
+            return own_getstate(self)
+        return object.__getstate__(self)
+
+    setattr(cls, "__getattr__", __getattr__)  # noqa: B010 - a class the caller declared
+    setattr(cls, "__getstate__", __getstate__)  # noqa: B010
 
 
 _DC = TypeVar("_DC", bound=type)
@@ -213,6 +314,10 @@ def record(cls: _DC) -> _DC:
             raise RecordMismatchError(
                 f"{klass.__name__} record fields differ: missing {missing}, unexpected {extra}"
             )
+        if _LAZY.get() and _can_defer(klass):
+            lazy = [n for n in names if _unread(item[n])]
+            if lazy:
+                return _deferring(klass, hints, item, names, lazy, device)
         values = {n: from_item_as(hints[n], item[n], device, n) for n in names}
         out = klass(**{f.name: values[f.name] for f in fields if f.init})
         for f in fields:  # init=False fields: their saved values, not their defaults again
@@ -222,7 +327,25 @@ def record(cls: _DC) -> _DC:
 
     cls.into_item = into_item  # type: ignore[attr-defined]
     cls.from_item = classmethod(from_item)  # type: ignore[attr-defined]
+    if "__slots__" not in cls.__dict__:
+        _lazy_hooks(cls)
     return cls
+
+
+def _deferring(klass: Any, hints: dict[str, Any], item: dict[str, Item], names: list[str],
+               lazy: list[str], device: Any) -> Any:
+    """An instance of `klass` whose fields `lazy` are built when first read (its
+    dataclass `__init__` only assigns the fields: it is not called)."""
+    out = object.__new__(klass)
+    for n in names:
+        if n not in lazy:
+            object.__setattr__(out, n, from_item_as(hints[n], item[n], device, n))
+
+    def build(n: str) -> Callable[[], Any]:
+        return _deferred(lambda: from_item_as(hints[n], item[n], device, n))
+
+    out.__dict__[_PENDING] = {n: build(n) for n in lazy}
+    return out
 
 
 _LOCALS = "__trainrec_locals__"

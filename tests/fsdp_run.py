@@ -20,8 +20,9 @@ MODE (checkpoints under OUT/ckpt{WORLD}):
 - `checkpoint`, another world size: trains to A and saves step-A only (for the load into 2
   ranks), then accumulates one micro-step with set_requires_gradient_sync(False) and writes
   the refusal to unsynced-error-RANK.txt.
-- `resume`: in fresh objects, restore step-A, train to STEPS, dump resumed-A-RANK.pt; the
-  same from step-B.
+- `resume`: in fresh objects, read `opt.state[p]` of every parameter (a defaultdict: empty
+  entries), restore step-A, train to STEPS, dump resumed-A-RANK.pt; the same from step-B
+  after reading one parameter's.
 - `timeout`, 2 ranks: `DCPRecorder(timeout=2)` on a new gloo group per case, into
   OUT/timeout: every rank saves step-1 (and step-2 with async_save=True) and loads step-1
   back, dumping timeout-saved-RANK.pt and timeout-loaded-RANK.pt; then rank 0 alone saves
@@ -203,6 +204,12 @@ def run(mode: str, rank: int, world: int, out: Path) -> None:
     elif mode == "resume":
         for step in (A, B):
             model, opt, sched, _ = build(rank)
+            # logging code that reads opt.state[p] (a defaultdict) adds empty entries: every
+            # parameter's before step A's load, one before step B's (DCP planned no optimizer
+            # entries, and lost every moment and step; with one read, set_state_dict raised
+            # after the weights were overwritten)
+            for p in list(model.parameters())[: None if step == A else 1]:
+                assert not opt.state[p]
             restored = trt.DCPRecorder().load(ckpt / f"step-{step:08d}", model, opt, sched,
                                               state_type=State)
             state = restored.state

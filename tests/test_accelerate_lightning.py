@@ -469,6 +469,58 @@ def test_lightning_exact_resume_refuses_a_checkpoint_without_it_or_of_another_wi
     assert _same_grads(_grads(model), grads)  # the unbroken variant loads
 
 
+@pytest.mark.filterwarnings("ignore")  # Lightning's advice on workers, logging, seeds
+def test_a_refused_lightning_resume_leaves_the_module_s_weights_as_they_were(tmp_path):
+    """ExactResume refused accumulate_grad_batches=8 for a checkpoint of 4, but only after
+    Lightning had loaded the checkpoint's weights into the module (a callback's
+    on_load_checkpoint runs after Lightning's restore_model)."""
+    pl = pytest.importorskip("lightning.pytorch", reason="trainrec[lightning] is not installed")
+    from trainrec import RecordMismatchError
+    from trainrec.adapters.torch.lightning import ExactResume
+
+    class Net(pl.LightningModule):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.net = _mlp()
+            torch.manual_seed(seed)
+            for p in self.net.parameters():
+                torch.nn.init.normal_(p)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class SaveMidWindow(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            if batch_idx == 5:  # 2 of a window of 4 pending
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                trainer.should_stop = True
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 3)),
+                                       batch_size=4)
+
+    def trainer(window: int, *callbacks: Any) -> Any:
+        return pl.Trainer(max_epochs=1, accumulate_grad_batches=window, accelerator="cpu",
+                          callbacks=[ExactResume(rng=False, allow_replay=True), *callbacks],
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False)
+
+    trainer(4, SaveMidWindow()).fit(Net(0), data)
+    module = Net(1)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    grads = _grads(module)
+    with pytest.raises(RecordMismatchError, match="accumulate_grad_batches=4, the Trainer has 8"):
+        trainer(8).fit(module, data, ckpt_path=tmp_path / "mid.ckpt")
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert _same_grads(grads, _grads(module))
+    resumed = Net(1)  # the unbroken variant: the checkpoint's weights, its pending gradients
+    trainer(4).fit(resumed, data, ckpt_path=tmp_path / "mid.ckpt")
+    assert not all(torch.equal(before[k], v) for k, v in resumed.state_dict().items())
+
+
 def test_each_integration_refuses_more_than_one_process(monkeypatch):
     accelerate = pytest.importorskip("accelerate", reason="trainrec[accelerate] is not installed")
     pytest.importorskip("lightning", reason="trainrec[lightning] is not installed")

@@ -383,14 +383,18 @@ def test_a_refused_load_reads_nothing_in_place_and_changes_nothing(tmp_path, mon
 
 
 def test_a_dcp_metadata_memoizing_at_a_huge_index_is_refused_without_growing_memory(tmp_path):
-    """The same memo opcode in `.metadata`, read before any checksum (its unpickler is
-    C's too): refused, without the memory."""
+    """The same memo opcode in `.metadata` (its CRC-32 forged into the manifest; its
+    unpickler was C's too): refused, without the memory."""
+    import zlib
+
+    from trainrec.adapters.torch.dcp_metadata import read_metadata
+
     pkl = b"\x80\x02N" + b"r" + struct.pack("<I", 2 ** 22) + b"."
     (tmp_path / ".metadata").write_bytes(pkl)
     tracemalloc.start()
     try:
         with pytest.raises(CorruptRecordError, match=r"\.metadata"):
-            dcp_mod._read_metadata(tmp_path)
+            read_metadata(tmp_path, {"size": len(pkl), "crc32": zlib.crc32(pkl)}, "x", 1)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -114,7 +114,7 @@ def test_another_world_size_reshards_model_optimizer_and_gradients_unchanged(run
 @pytest.mark.parametrize(("damage", "error"), [
     # DCP keeps no checksums: a flipped byte loaded as a wrong value. The manifest has the
     # CRC-32 of every entry DCP wrote; rank 1 reads the damaged one
-    ("shard", r"CorruptRecordError: shard file __1_0\.distcp is damaged: the \d+ bytes at "
+    ("shard", r"ChecksumError: shard file __1_0\.distcp is damaged: the \d+ bytes at "
               r"offset \d+ have CRC-32 [0-9a-f]{8}, the save wrote [0-9a-f]{8}"),
     # rank 1 refused before DCP's collectives, and rank 0 waited in them until the timeout
     ("part", r"CorruptRecordError: .*rank-00001-of-00002\.mpk"),
@@ -221,6 +221,15 @@ def saved(runs, tmp_path):
     return Path(shutil.copytree(runs / "ckpt2" / f"step-{A:08d}", tmp_path / "step"))
 
 
+def _write_metadata(path: Path, data: bytes) -> None:
+    """Write DCP's .metadata and its size and CRC-32 into the manifest: a forger's file, to
+    reach the checks behind the checksum (tests/test_attack_dcp_metadata.py has the rest)."""
+    import zlib
+
+    (path / "dcp" / ".metadata").write_bytes(data)
+    _edit_manifest(path, metadata={"size": len(data), "crc32": zlib.crc32(data)})
+
+
 def _edit_manifest(path: Path, **changes):
     import json
 
@@ -243,7 +252,7 @@ def _sched(opt):
 @pytest.mark.parametrize(("damage", "error", "match"), [
     (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
     (lambda p: _edit_manifest(p, format="trainrec.other"), CorruptRecordError, "not a trainrec.dcp"),
-    (lambda p: _edit_manifest(p, version=[3, 0]), trainrec.UnsupportedVersionError, "version 3.0"),
+    (lambda p: _edit_manifest(p, version=[4, 0]), trainrec.UnsupportedVersionError, "version 4.0"),
     (lambda p: _edit_manifest(p, world_size=0), CorruptRecordError, "malformed world_size"),
     (lambda p: _edit_manifest(p, dcp="../x"), CorruptRecordError, "malformed dcp"),
     (lambda p: _edit_manifest(p, grads="0.weight"), CorruptRecordError, "malformed grads"),
@@ -447,13 +456,18 @@ _EDITED = "manifest was edited, or the dcp/ directory"
     (lambda p, o: _edit_manifest(p, grads=[]), _EDITED),  # the pending gradients would be dropped
     (lambda p, o: _edit_manifest(p, grads=["0.weight"]), _EDITED),
     (lambda p, o: _edit_manifest(p, optimizer_state=False), _EDITED),  # the optimizer state cleared
-    # another save's dcp/: its bytes are not the ones this manifest has the checksums of
+    # another save's dcp/: named as such (it was "__0_0.distcp is damaged": the disk blamed)
     (lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp")),
-     r"__0_0\.distcp is damaged: the \d+ bytes at offset \d+ have CRC-32 [0-9a-f]{8}, the save"),
-    # ... and with that save's checksums too, the facts repeated inside DCP's files differ
+     r"the dcp/ folder is another save's: its \.metadata was written by save"),
+    # ... and with that save's shard checksums too
     (lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp"),
                    _edit_manifest(p, shards=json.loads((o / "manifest.json").read_text())["shards"])),
-     _EDITED),
+     r"the dcp/ folder is another save's"),
+    # ... and its .metadata's checksum: the facts repeated inside DCP's files differ
+    (lambda p, o: (shutil.rmtree(p / "dcp"), shutil.copytree(o / "dcp", p / "dcp"),
+                   _edit_manifest(p, **{k: json.loads((o / "manifest.json").read_text())[k]
+                                        for k in ("shards", "metadata")})),
+     r"DCP's \.metadata names save '[0-9a-f]+', manifest\.json save"),
 ])
 def test_a_manifest_that_disagrees_with_its_dcp_checkpoint_is_refused(one_rank, damage, match):
     """The manifest's facts are repeated inside DCP's files: an edited manifest, or the dcp/
@@ -596,7 +610,7 @@ def test_a_hostile_dcp_metadata_is_refused_without_unpickling_it(one_rank, tmp_p
 
     path, _ = one_rank
     marker = tmp_path / "ran"
-    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    _write_metadata(path, pickle.dumps(_Marker(marker)))
     model, opt = _two_groups()
     before = _snapshot(model, opt)
     with pytest.raises(CorruptRecordError, match=r"\.metadata names io\.open, which DCP's "
@@ -605,7 +619,7 @@ def test_a_hostile_dcp_metadata_is_refused_without_unpickling_it(one_rank, tmp_p
     with pytest.raises(CorruptRecordError, match=r"names io\.open"):
         trainrec.read_file(path)
     assert not marker.exists() and _unchanged(before, model, opt)
-    (path / "dcp" / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    _write_metadata(path, pickle.dumps({"state_dict_metadata": {}}))
     with pytest.raises(CorruptRecordError, match="does not hold a DCP Metadata"):
         trainrec.read_file(path)
 
@@ -680,7 +694,7 @@ def test_verify_false_skips_the_tensor_checksums_only(one_rank, tmp_path, monkey
     bad[weight.offset + 2] ^= 0xFF  # inside its zip's first header
     shard.write_bytes(bytes(bad))
     with pytest.raises(trainrec.RecorderError, match=r"With verify=False their bytes are not "
-                       r"checked before the read.*may be partly restored\. Load with verify=True"):
+                       r"checked before the read.*were rolled back\. Load with verify=True"):
         trt.DCPRecorder().load(path, *_two_groups(), verify=False)
     shard.write_bytes(bytes(data))
     # a non-tensor entry changed (the trainrec facts): refused even so, before any change
@@ -727,7 +741,7 @@ def test_a_dcp_metadata_entry_whose_place_is_not_byte_counts_is_refused(one_rank
     index, info = next((i, w) for i, w in meta.storage_data.items() if i.fqn == "model.2.weight")
     fields = {k: (float(getattr(info, k)) if v == "float" else v) for k, v in change.items()}
     meta.storage_data[index] = _StorageInfo(**{**info.__dict__, **fields})
-    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    _write_metadata(path, pickle.dumps(meta))
     torch.manual_seed(1)
     model, opt = _two_groups()
     model(torch.randn(3, 4)).sum().backward()
@@ -758,7 +772,7 @@ def _rewrite_entry(path: Path, fqn: str, value) -> None:
     data = shard.read_bytes()
     shard.write_bytes(data + blob.getvalue())
     meta.storage_data[index] = _StorageInfo(info.relative_path, len(data), len(blob.getvalue()))
-    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    _write_metadata(path, pickle.dumps(meta))
     doc = json.loads((path / "manifest.json").read_text())
     entry = doc["shards"][0][info.relative_path]
     entry["size"] = len(data) + len(blob.getvalue())
@@ -823,7 +837,8 @@ def test_a_manifest_that_is_no_regular_file_or_nested_too_deep_is_refused(one_ra
         manifest.write_text("[" * 100_000 + "]" * 100_000)
     model, opt = _two_groups()
     before = _snapshot(model, opt)
-    match = "unreadable manifest.json" if kind == "deep" else "manifest.json is not a regular file"
+    match = ("manifest.json holds more containers than a manifest does" if kind == "deep"
+             else "manifest.json is not a regular file")
     with pytest.raises(CorruptRecordError, match=match):
         trt.DCPRecorder().load(path, model, opt)
     assert _unchanged(before, model, opt)
@@ -833,7 +848,8 @@ def test_a_manifest_that_is_no_regular_file_or_nested_too_deep_is_refused(one_ra
 
 @pytest.mark.parametrize(("chunks", "match"), [
     (lambda c: [], r"chunks of model\.0\.weight do not cover its shape \[8, 4\] once \(0 elements"),
-    (lambda c: c + c, r"do not cover its shape \[8, 4\] once \(64 elements in 2 chunk\(s\), overlapping"),
+    (lambda c: c + c, r"do not cover its shape \[8, 4\] once \(64 elements in 2 non-empty "
+                      r"chunk\(s\): two at one place, overlapping"),
     (lambda c: [type(c[0])(offsets=torch.Size([4, 0]), sizes=c[0].sizes)],
      r"gives model\.0\.weight a chunk at \[4, 0\] of \[8, 4\], outside its shape"),
 ])
@@ -849,7 +865,7 @@ def test_dcp_metadata_chunks_that_do_not_tile_a_tensor_are_refused(one_rank, chu
     meta = FileSystemReader(str(path / "dcp")).read_metadata()
     entry = meta.state_dict_metadata["model.0.weight"]
     entry.chunks = chunks(entry.chunks)
-    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
+    _write_metadata(path, pickle.dumps(meta))
     torch.manual_seed(1)
     model, opt = _two_groups()
     before = _snapshot(model, opt)
@@ -857,23 +873,4 @@ def test_dcp_metadata_chunks_that_do_not_tile_a_tensor_are_refused(one_rank, chu
         trt.DCPRecorder().load(path, model, opt)
     assert _unchanged(before, model, opt)
     with pytest.raises(CorruptRecordError, match=match):
-        trainrec.read_file(path)
-
-
-def test_duplicate_chunks_are_refused_beyond_the_pairwise_overlap_check(one_rank, monkeypatch):
-    """Past `_OVERLAP_CHECKED` chunks (many ranks) the chunks are not compared pairwise;
-    two at one offset are still refused."""
-    import pickle
-
-    from torch.distributed.checkpoint import FileSystemReader
-
-    import trainrec.adapters.torch.dcp as dcp_mod
-
-    monkeypatch.setattr(dcp_mod, "_OVERLAP_CHECKED", 0)
-    path, _ = one_rank
-    meta = FileSystemReader(str(path / "dcp")).read_metadata()
-    entry = meta.state_dict_metadata["model.0.weight"]
-    entry.chunks = entry.chunks + entry.chunks
-    (path / "dcp" / ".metadata").write_bytes(pickle.dumps(meta))
-    with pytest.raises(CorruptRecordError, match=r"model\.0\.weight do not cover .* overlapping"):
         trainrec.read_file(path)

@@ -51,7 +51,6 @@ import dataclasses
 import datetime
 import io
 import json
-import math
 import os
 import pickle
 import sys
@@ -66,14 +65,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -81,6 +74,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 
 import trainrec
 from trainrec import (
+    ChecksumError,
     CorruptRecordError,
     NamedMpkFileRecorder,
     NativePrecisionSettings,
@@ -88,13 +82,24 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import Header, Item, crc32, kind_mismatches, path_arg
+from trainrec.adapter_kit import Header, Item, crc32, expect_kind, kind_mismatches, path_arg
 
-from .bindings import TorchLrScheduler, encode
+from .bindings import TorchLrScheduler, TorchOptimizer, encode
+from .dcp_metadata import METADATA, check_chunks, file_digest, open_regular, read_metadata
+from .dcp_state import (
+    Backup,
+    group_names,
+    has_state,
+    load_optimizer,
+    optimizer_target,
+    state_dicts,
+    write_model,
+)
 from .distributed import (
     _Commit,
     _rank_world,
     _safe_name,
+    agree,
     meet,
     read_manifest,
     timeout_seconds,
@@ -104,7 +109,8 @@ from .wrappers import is_dtensor, named_parameters
 __all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
 
 FORMAT = "trainrec.dcp"
-VERSION = (2, 0)  # 2.0: every shard file's size and CRC-32 in the manifest
+VERSION = (3, 0)  # 2.0: every shard file's size and CRC-32 in the manifest; 3.0: the
+# .metadata's size and CRC-32 and the optimizer's class too
 MANIFEST = "manifest.json"
 DCP_DIR = "dcp"
 _PART = "trainrec.dcp.part"
@@ -196,12 +202,13 @@ class DCPRecorder:
         commit.begin(None)
         params = dict(named_parameters(model))
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
-        had_state = bool(optimizer.state)
+        had_state = has_state(optimizer)
+        kind = TorchOptimizer(optimizer).kind
         upload: Future[Any] | None = None
         failed: BaseException | None = None
-        writer = _Writer(commit.temp / DCP_DIR)
+        writer = _Writer(commit.temp / DCP_DIR, commit.token)
         try:
-            msd, osd = _state_dicts(model, optimizer, params)
+            msd, osd = state_dicts(model, optimizer)
             part = {
                 "rank": rank, "world_size": world, "save_id": commit.token,
                 "scheduler": None if scheduler is None
@@ -213,8 +220,8 @@ class DCPRecorder:
             # what the manifest says, inside DCP's own files too: a load checks the two
             # agree (a manifest edited, or the dcp/ directory of another save swapped in)
             meta = json.dumps({"save_id": commit.token, "grads": sorted(grads),
-                               "optimizer_state": had_state, "param_groups": _groups(osd)},
-                              sort_keys=True)
+                               "optimizer_state": had_state, "optimizer": kind,
+                               "param_groups": _groups(osd)}, sort_keys=True)
             tree = {"model": msd, "optim": osd, "grads": grads, _META: meta}
             if async_save:
                 # staged here: DCP's stager refuses FSDP2's parameter storages ("invalid
@@ -230,7 +237,7 @@ class DCPRecorder:
             "format": FORMAT, "version": list(VERSION), "trainrec": trainrec.__version__,
             "record": "TrainingRecord", "world_size": world, "save_id": commit.token,
             "parts": [_part_name(r, world) for r in range(world)], "dcp": DCP_DIR,
-            "grads": sorted(grads), "optimizer_state": had_state,
+            "grads": sorted(grads), "optimizer_state": had_state, "optimizer": kind,
             "scheduler": scheduler is not None, "state": state is not None,
         }
 
@@ -242,6 +249,8 @@ class DCPRecorder:
                     if upload is not None:
                         upload.result()
                     shards = _checksums(commit.temp / DCP_DIR, writer.items)
+                    if rank == 0:  # DCP's coordinator wrote it: which bytes are which entry
+                        manifest["metadata"] = file_digest(commit.temp / DCP_DIR / METADATA)
                 except (Exception, CheckpointException) as e:  # noqa: BLE001
                     error = e
             if error is None:
@@ -275,18 +284,24 @@ class DCPRecorder:
         `"own"` (default) refuses with `RecordMismatchError`, `"drop"` returns none, an int r
         gives every rank rank r's (its RNG too: the ranks then draw alike unless the caller
         reseeds). Everything is checked before the live objects change: a rejected load
-        leaves them as they were.
+        leaves them as they were. The optimizer must be of the saved one's class
+        (`RecordMismatchError` naming both), and gets the saved state whatever its own
+        `state` holds (entries made by reading `opt.state[p]` included). A failure after
+        the checks (in DCP's read, or while the optimizer or scheduler take their state) is
+        a `RecorderError` on every rank, and every rank's live objects are rolled back to
+        what they held (from a host copy of the model's state tensors taken just before
+        the read).
 
         After `save(..., async_save=True)` on this recorder, `load` first waits for that save
         to commit (its outcome is its future's).
 
         `verify` (default True): check the CRC-32 of every entry this rank reads before
-        reading any into the live state; a changed byte is then a `CorruptRecordError` and
+        reading any into the live state; a changed byte is then a `ChecksumError` and
         nothing changes. It reads those bytes twice (from the page cache the second time,
         when they fit). `verify=False` checks only the non-tensor entries' and trusts the
         tensors' bytes, as a plain `dcp.load` does: a changed byte inside a tensor then
-        loads as a wrong value, or fails DCP's read after some live tensors changed
-        (`trainrec verify DIR` checks every entry offline).
+        loads as a wrong value, or fails DCP's read (rolled back); `trainrec verify DIR`
+        checks every entry offline.
 
         What is wrong on one rank only (its part, its arguments) is raised on that rank and,
         naming it, on every other rank: none waits for it until the group's timeout."""
@@ -308,6 +323,7 @@ class DCPRecorder:
             # to read, and fails DCP's planning step (`_Reader.prepare_local_plan`), which
             # DCP tells every rank, instead of leaving them waiting until the group's timeout
             reader = _Reader.refusing(e, self.group, where)
+        source = str(reader.folder.parent)
         try:
             dcp_load({} if plan is None else plan.target, storage_reader=reader,
                      planner=_Planner(), process_group=self.group)
@@ -319,46 +335,63 @@ class DCPRecorder:
                 rank, error = refused
                 raise RecorderError(f"rank {rank} could not load its part of the checkpoint "
                                     f"({type(error).__name__}: {error}); no rank restores "
-                                    "from it", source=str(reader.folder.parent)) from None
-            if reader.reading and not verify:
+                                    "from it", source=source) from None
+            if not reader.reading:
+                raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
+                                    f"optimizer and pending gradients: {e}", source=source) from e
+            back = _roll_back(reader.backup)
+            if not verify:
                 raise RecorderError(
                     f"torch.distributed.checkpoint failed while reading the tensors: {e}. With "
                     "verify=False their bytes are not checked before the read, so a damaged "
-                    "entry fails only here: the model, optimizer and pending gradients may be "
-                    "partly restored. Load with verify=True (the default), which refuses a "
-                    "damaged entry before anything changes, or run `trainrec verify` on the "
-                    "checkpoint", source=str(reader.folder.parent)) from e
-            if reader.reading:
-                raise RecorderError(
-                    "torch.distributed.checkpoint failed while reading the tensors, after every "
-                    f"check had passed (were the files changed during the load?): {e}. The "
-                    "model, optimizer and pending gradients may be partly restored: load again",
-                    source=str(reader.folder.parent)) from e
-            raise RecorderError(f"torch.distributed.checkpoint could not load the model, "
-                                f"optimizer and pending gradients: {e}",
-                                source=str(reader.folder.parent)) from e
-        assert plan is not None  # a refusing reader raised
-        set_state_dict(model, optimizer, model_state_dict=plan.target["model"],
-                       optim_state_dict=plan.target["optim"])
-        if not plan.manifest["optimizer_state"]:
-            optimizer.state.clear()  # saved before its first step: no state, as then
-        for n, p in plan.params.items():
-            p.grad = plan.target["grads"].get(n)
-        if scheduler is not None and plan.scheduler is not None:
-            TorchLrScheduler(scheduler).load_record(plan.scheduler)
+                    f"entry fails only here; {back}. Load with verify=True (the default), which "
+                    "refuses a damaged entry before anything changes, or run `trainrec verify` "
+                    "on the checkpoint", source=source) from e
+            raise RecorderError(
+                "torch.distributed.checkpoint failed while reading the tensors, after every "
+                f"check had passed (were the files changed during the load?): {e}; {back}",
+                source=source) from e
+        assert plan is not None and reader.backup is not None  # a refusing reader raised
+        failure: Exception | None = None
+        try:
+            _write_live(plan, model, optimizer, scheduler)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, then roll back
+            failure = e
+        except BaseException as e:  # an interrupt: never leave a mix
+            _roll_back(reader.backup)
+            raise e from None
+        try:  # every rank hears whether every other's went well: all keep it, or none
+            agree(failure, self.group, source)
+        except Exception as e:  # noqa: BLE001 - ours, another rank's, or a rank died
+            failure = failure or e
+        if failure is not None:
+            back = _roll_back(reader.backup)
+            raise RecorderError(
+                "the live model, optimizer and scheduler could not take the checkpoint's state "
+                f"({type(failure).__name__}: {failure}); {back}", source=source) from failure
         return DCPRestored(plan.state, plan.manifest["world_size"])
 
     def _prepare(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, state_type: Any, rank_state: str | int, verify: bool) -> _Load:
-        """This rank's checks, before the ranks meet: the manifest, its part, the caller
-        state and scheduler rebuilt, DCP's metadata against the live shapes; and what DCP
-        reads into (the live tensors themselves: the state dicts hold them, and each
-        pending .grad, as a plain dcp.load does; `_Reader` reads only after its checks)."""
+        """This rank's checks, before the ranks meet: the manifest, the optimizer's class,
+        its part, the caller state and scheduler rebuilt, DCP's metadata (its checksum)
+        against the live shapes; and what DCP reads into (the live model's tensors
+        themselves, as a plain dcp.load does; new tensors for the optimizer state and the
+        pending gradients; `_Reader` reads only after its checks)."""
         if type(verify) is not bool:
             raise TypeError(f"verify must be True or False, got {verify!r}")
         path = path_arg(path)
         _check_objects(model, optimizer, scheduler)
         manifest = _read_manifest(path)
+        try:  # the class, as `TrainingRecord.restore` checks it
+            expect_kind(StateRecord(manifest["optimizer"], None), TorchOptimizer(optimizer).kind,
+                        "optimizer")
+        except RecordMismatchError as e:
+            said = str(e).removesuffix(" (key 'optimizer')")
+            raise RecordMismatchError(
+                f"the checkpoint's {said}: build the "
+                "optimizer the run that saved it had (its state and hyperparameters are of that "
+                "class)", key="optimizer", source=str(path)) from None
         saved = manifest["world_size"]
         rank, world = _rank_world(self.group)
         if rank_state == "own":
@@ -408,11 +441,20 @@ class DCPRecorder:
                 raise CorruptRecordError(f"caller state does not rebuild: {e}", key="state",
                                          source=str(path)) from e
         folder = path / manifest["dcp"]
-        sizes, crcs = _shards(manifest, path)
-        metadata = _checked_metadata(folder, sizes)
-        msd, osd = _state_dicts(model, optimizer, params)
-        target = {"model": msd, "optim": osd, "grads": {n: _grad_target(params[n])
-                                                        for n in manifest["grads"]}, _META: ""}
+        metadata, crcs = _checked_metadata(path, manifest)
+        msd, osd = state_dicts(model, optimizer)
+        names = group_names(osd)
+        by_name = {n: params[n] for group in names for n in group if n in params}
+        optim_state = optimizer_target(metadata, osd, by_name, path)
+        if bool(optim_state) != manifest["optimizer_state"]:
+            raise CorruptRecordError(
+                f"{MANIFEST} says the optimizer {'had' if manifest['optimizer_state'] else 'had no'}"
+                f" state, DCP's .metadata holds {'none' if not optim_state else 'some'}: the "
+                f"manifest was edited, or the {manifest['dcp']}/ directory is another save's",
+                source=str(path), key="optimizer_state")
+        target = {"model": msd, "optim": {"state": optim_state, "param_groups": osd["param_groups"]},
+                  "grads": {n: torch.empty_like(params[n].detach()) for n in manifest["grads"]},
+                  _META: ""}
         _check_shapes(metadata, target, path)
         live_groups = _groups(osd)
         # DCP reads the non-tensor entries into `osd` itself: the live values, kept apart
@@ -429,8 +471,11 @@ class DCPRecorder:
                     source=str(path))
             _check_param_groups(loaded, live_hyper, path)
 
-        return _Load(path, manifest, params, target, state, sched_record,
-                     _Reader(folder, metadata, crcs, self.group, check, verify))
+        def backup() -> Backup:
+            return Backup(msd, params, optimizer, scheduler)
+
+        return _Load(path, manifest, params, target, names, state, sched_record,
+                     _Reader(folder, metadata, crcs, self.group, check, verify, backup))
 
 
 @dataclass
@@ -441,32 +486,34 @@ class _Load:
     manifest: dict[str, Any]
     params: dict[str, Any]
     target: dict[str, Any]
+    names: list[list[str]]  # each live param group's parameter names, in order
     state: Any
     scheduler: StateRecord | None
     reader: _Reader
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
-                 params: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """`get_state_dict(model, optimizer)`, the optimizer's state always in it, the live
-    objects as they were. An optimizer before its first step has none, and get_state_dict
-    makes it (one step at lr 0, which leaves the parameters as they are) only when no
-    parameter has a gradient: the pending ones are set aside meanwhile, and the state made
-    is dropped again (the manifest's `optimizer_state` says the run had none), so a save and
-    a load agree on the keys wherever in the first window they happen."""
-    had_state = bool(optimizer.state)
-    live_grads = {n: p.grad for n, p in params.items()}
-    if not had_state:
-        for p in params.values():
-            p.grad = None
+def _write_live(plan: _Load, model: nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Any) -> None:
+    """After DCP's read (the model's tensors are read in place): the model's state dict,
+    the optimizer's state, the pending `.grad`s (None where none was saved), the scheduler."""
+    write_model(model, plan.target["model"])
+    load_optimizer(optimizer, plan.target["optim"], plan.names)
+    for n, p in plan.params.items():
+        p.grad = plan.target["grads"].get(n)
+    if scheduler is not None and plan.scheduler is not None:
+        TorchLrScheduler(scheduler).load_record(plan.scheduler)
+
+
+def _roll_back(backup: Backup | None) -> str:
+    """Put the live objects back as `backup` kept them; what happened, for the message."""
+    if backup is None:
+        return "nothing had been read into the live objects"
     try:
-        msd, osd = get_state_dict(model, optimizer)
-    finally:
-        if not had_state:
-            optimizer.state.clear()
-            for n, p in params.items():
-                p.grad = live_grads[n]
-    return msd, osd
+        backup.restore()
+    except Exception as e:  # noqa: BLE001 - said in the message
+        return (f"the rollback failed too ({type(e).__name__}: {e}): the model, optimizer, "
+                "pending gradients and scheduler may be partly restored")
+    return "the live model, optimizer, pending gradients and scheduler were rolled back"
 
 
 def refuse_unsynced_gradients(model: nn.Module) -> None:
@@ -537,11 +584,12 @@ def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:
     manifest's (the same save, the same pending gradients, optimizer state or none)."""
     try:
         doc = json.loads(meta)
-        saved = {k: doc[k] for k in ("save_id", "grads", "optimizer_state", "param_groups")}
+        saved = {k: doc[k] for k in ("save_id", "grads", "optimizer_state", "optimizer",
+                                     "param_groups")}
     except (TypeError, ValueError, KeyError):
         raise CorruptRecordError(f"the DCP checkpoint's {_META!r} entry is malformed",
                                  source=str(path / manifest["dcp"]), key=_META) from None
-    for key in ("save_id", "grads", "optimizer_state"):
+    for key in ("save_id", "grads", "optimizer_state", "optimizer"):
         if saved[key] != manifest[key]:
             raise CorruptRecordError(
                 f"the DCP checkpoint says {key} {saved[key]!r}, {MANIFEST} says "
@@ -597,16 +645,6 @@ def _copy(tree: Any) -> Any:
     return tree
 
 
-def _grad_target(param: Any) -> Any:
-    """What DCP reads a pending gradient into: the live `.grad` itself when it has the
-    parameter's kind (DTensor or not), dtype and shape, else a new tensor like the parameter."""
-    grad = param.grad
-    if (grad is not None and type(grad) is type(param.data) and grad.dtype == param.dtype
-            and grad.shape == param.shape):
-        return grad
-    return torch.empty_like(param)
-
-
 # -- checksums and safe reading ------------------------------------------------------------
 
 _CHUNK = 8 << 20
@@ -614,11 +652,19 @@ _CHUNK = 8 << 20
 
 class _Writer(FileSystemWriter):
     """DCP's file writer, remembering where it wrote each entry (file, offset, length):
-    their checksums go into the manifest."""
+    their checksums go into the manifest. DCP's `.metadata` names the save (`save_id`,
+    DCP's own a random uuid): a `dcp/` folder of another save is told by it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, save_id: str) -> None:
         super().__init__(str(folder))
         self.items: list[tuple[str, int, int]] = []
+        self._save_id = save_id
+
+    def storage_meta(self) -> Any:
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.save_id = self._save_id
+        return meta
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         done = super().write_data(plan, planner)
@@ -678,13 +724,15 @@ def _check_checksums(folder: Path, items: Iterable[tuple[str, int, int]],
                             source=str(folder / name))
                     crc = _range_crc(f, offset, length, buffer)
                     if crc != want:
-                        raise CorruptRecordError(
+                        raise ChecksumError(
                             f"shard file {name} is damaged: the {length} bytes at offset "
                             f"{offset} have CRC-32 {crc:08x}, the save wrote {want:08x}",
                             source=str(folder / name))
-        except OSError as e:
-            raise CorruptRecordError(f"shard file {name} is unreadable: {e}",
-                                     source=str(folder / name)) from e
+        except FileNotFoundError as e:
+            raise CorruptRecordError(f"shard file {name} is missing", source=str(folder / name)) from e
+        except OSError as e:  # permissions, I/O: the file is not known to be damaged
+            raise RecorderError(f"shard file {name} cannot be read: {type(e).__name__}: {e}",
+                                source=str(folder / name)) from e
 
 
 def _shards(manifest: dict[str, Any], path: Path) -> tuple[dict[str, int], dict[str, dict[tuple[int, int], int]]]:
@@ -722,15 +770,19 @@ class _Reader(FileSystemReader):
     (`verify=False`: every non-tensor entry) is checked against the CRC-32 the save
     recorded of its bytes, and the non-tensor entries are unpickled as plain values and
     `check`ed; DCP gathers every rank's failure and raises it on every rank before any
-    reads. Only then are the entries read, the tensors into the live state. `error` keeps
+    reads. Only then are the entries read, the tensors into the live state, once `backup`
+    has made the `Backup` a failure from there on is rolled back from. `error` keeps
     what refused the load on this rank (DCP wraps it in a `CheckpointException`);
     `reading` says the second pass began."""
 
     def __init__(self, folder: Path, metadata: Any, shards: dict[str, dict[tuple[int, int], int]],
-                 group: Any, check: Callable[[dict[str, Any]], None], verify: bool = True) -> None:
+                 group: Any, check: Callable[[dict[str, Any]], None], verify: bool = True,
+                 backup: Callable[[], Backup] | None = None) -> None:
         super().__init__(str(folder))
         self.folder, self.metadata, self.shards = folder, metadata, shards
         self.group, self.check, self.verify = group, check, verify
+        self.make_backup = backup
+        self.backup: Backup | None = None
         self.error: Exception | None = None
         self.refused: Exception | None = None
         self.reading = False
@@ -787,6 +839,8 @@ class _Reader(FileSystemReader):
         (`_read_in_place`) is read straight into it, where DCP would `torch.load` it into a
         new tensor and copy that; and that the non-tensor entries are the values checked
         in the planning step, not read again."""
+        if self.make_backup is not None:
+            self.backup = self.make_backup()  # nothing live changed yet when this fails
         self.reading = True  # every rank's checks passed: now into the live state
         if isinstance(planner, _Planner):
             planner.plain = self.plain
@@ -1022,57 +1076,8 @@ class _Planner(DefaultLoadPlanner):
         super().load_bytes(read_item, safe)
 
 
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "StorageMeta",
-        "TensorStorageMetadata", "TensorProperties", "BytesStorageMetadata",
-        "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-"""What DCP's pickled `.metadata` holds (checked on torch 2.6 to 2.13): its dataclasses, a
-layout, `torch.Size`, dtypes and the checkpoint's path. Nothing else is unpickled."""
-
-
 class _ForbiddenError(Exception):
     pass
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """Python's unpickler, whose memo is a dict: C's grows an array to twice the index a
-    memo opcode names (a 9-byte file asks gigabytes). It costs about 10x C's time (4 ms
-    against 0.4 ms for the 32 KB `.metadata` of 16 parameters with AdamW state)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()) or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise _ForbiddenError(f"{module}.{name}")
-
-
-def _read_metadata(folder: Path) -> Any:
-    """DCP's `.metadata` of `folder`, unpickled with only DCP's own classes allowed (DCP
-    itself uses `pickle.load`, which runs whatever a hostile file holds)."""
-    file = folder / ".metadata"
-    try:
-        with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except _ForbiddenError as e:
-        raise CorruptRecordError(f"DCP's .metadata names {e}, which DCP's metadata never holds: "
-                                 "refused without unpickling it (it could run code)",
-                                 source=str(file)) from None
-    except Exception as e:  # noqa: BLE001 - unpickling raises anything
-        raise CorruptRecordError(f"DCP's .metadata is unreadable: {type(e).__name__}: {e}",
-                                 source=str(file)) from e
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise CorruptRecordError("DCP's .metadata does not hold a DCP Metadata",
-                                 source=str(file))
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    return metadata
 
 
 def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
@@ -1080,18 +1085,19 @@ def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
     `trainrec.read_file`), in one process without a process group: the manifest, every
     rank's part (scheduler and caller state; their checksums checked), and what DCP's
     `.metadata` says of each entry (dtype and shape, not the values: loading them needs
-    `DCPRecorder().load`), after checking every shard file against the size and CRC-32 the
-    save recorded in the manifest (a missing, truncated or changed shard file is refused)."""
+    `DCPRecorder().load`), after checking `.metadata` and every shard file against the size
+    and CRC-32 the save recorded in the manifest (a missing, truncated or changed shard
+    file is refused). `checked` says how many entries (and bytes) were checked."""
     del mmap
     path = Path(path)
     manifest = _read_manifest(path)
     parts = [_read_part(path, manifest, r) for r in range(manifest["world_size"])]
     header = dataclasses.replace(trainrec.read_file(path / manifest["parts"][0])[0],
                                  format=FORMAT, version=VERSION, record_type="TrainingRecord")
-    sizes, crcs = _shards(manifest, path)
-    metadata = _checked_metadata(path / manifest["dcp"], sizes)
-    _check_checksums(path / manifest["dcp"], {(str(w.relative_path), int(w.offset), int(w.length))
-                                              for w in metadata.storage_data.values()}, crcs)
+    metadata, crcs = _checked_metadata(path, manifest)
+    where = {(str(w.relative_path), int(w.offset), int(w.length))
+             for w in metadata.storage_data.values()}
+    _check_checksums(path / manifest["dcp"], where, crcs)
     entries: dict[str, Item] = {}
     for key, meta in sorted(metadata.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):
@@ -1099,49 +1105,57 @@ def read_dcp(path: Path, mmap: bool = False) -> tuple[Header, Item]:
             entries[key] = f"{dtype}{list(meta.size)}"
         else:
             entries[key] = "bytes"
-    fields = ("world_size", "save_id", "grads", "optimizer_state", "scheduler", "state")
+    fields = ("world_size", "save_id", "grads", "optimizer_state", "optimizer", "scheduler",
+              "state")
     item: dict[str, Item] = {
         "manifest": {k: manifest.get(k) for k in fields},
         "dcp": entries,
         "parts": [{"scheduler": p.get("scheduler"), "state": p.get("state")} for p in parts],
+        "checked": {"entries": len(where), "bytes": sum(n for _, _, n in where),
+                    "metadata_bytes": manifest["metadata"]["size"]},
     }
     return header, item
 
 
-def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
-    """DCP's `.metadata` of `folder`, after checking that every shard file it names exists,
-    holds the bytes it points to and is one the manifest has the checksum of, of that size,
-    and the reverse (`CorruptRecordError`). The bytes themselves are checked as they are read."""
-    metadata = _read_metadata(folder)
-    _check_chunks(metadata, folder)
+def _checked_metadata(path: Path, manifest: dict[str, Any]) -> tuple[Any, dict[str, dict[tuple[int, int], int]]]:
+    """DCP's `.metadata` of the checkpoint `path` (`dcp_metadata.read_metadata`: bounded,
+    its size and CRC-32 the save's, DCP's classes only, every value of its kind) and the
+    manifest's CRC-32 of each shard entry, after checking that the chunks tile every
+    tensor, that every shard file it names exists, holds the bytes it points to and is one
+    the manifest has the checksum of, of that size, and the reverse (`CorruptRecordError`).
+    The bytes themselves are checked as they are read."""
+    folder = path / manifest["dcp"]
+    sizes, crcs = _shards(manifest, path)
+    entries = sum(len(v) for v in crcs.values())
+    metadata = read_metadata(folder, manifest["metadata"], manifest["save_id"], entries)
+    check_chunks(metadata, folder)
     ends: dict[str, int] = {}
-    try:
-        for info in (metadata.storage_data or {}).values():
-            name = str(info.relative_path)
-            if not (type(info.offset) is int and type(info.length) is int
-                    and info.offset >= 0 and info.length >= 0):
-                # DCP slices the file with them: a float passed every check, then failed
-                # DCP's read of the tensors after some live ones had changed
-                raise CorruptRecordError(
-                    f"DCP's .metadata gives the entry in shard file {name!r} offset "
-                    f"{info.offset!r} and length {info.length!r}, not byte counts",
-                    source=str(folder))
-            if not _safe_name(name):
-                raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
-                                         "the checkpoint", source=str(folder))
-            ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
-    except (AttributeError, TypeError, ValueError) as e:
-        raise CorruptRecordError(f"DCP's .metadata is malformed: {e}", source=str(folder)) from e
-    for name, end in sorted(ends.items()):
-        size = (folder / name).stat().st_size if (folder / name).is_file() else None
-        if size is None or size < end:
+    for info in metadata.storage_data.values():
+        name = str(info.relative_path)
+        if not (type(info.offset) is int and type(info.length) is int
+                and info.offset >= 0 and info.length >= 0):
+            # DCP slices the file with them: a float passed every check, then failed
+            # DCP's read of the tensors after some live ones had changed
             raise CorruptRecordError(
-                f"shard file {name} " + ("is missing" if size is None else
-                                         f"holds {size} bytes, DCP's .metadata points to {end}"),
-                source=str(folder / name))
+                f"DCP's .metadata gives the entry in shard file {name!r} offset "
+                f"{info.offset!r} and length {info.length!r}, not byte counts",
+                source=str(folder))
+        if not _safe_name(name):
+            raise CorruptRecordError(f"DCP's .metadata names a shard file {name!r} outside "
+                                     "the checkpoint", source=str(folder))
+        ends[name] = max(ends.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(ends.items()):
         if name not in sizes:
             raise CorruptRecordError(f"shard file {name} has no checksum in {MANIFEST}",
                                      source=str(folder / name))
+        fd = open_regular(folder / name, f"shard file {name}")
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size < end:
+            raise CorruptRecordError(f"shard file {name} holds {size} bytes, DCP's .metadata "
+                                     f"points to {end}", source=str(folder / name))
         if size != sizes[name]:
             raise CorruptRecordError(f"shard file {name} holds {size} bytes, the save wrote "
                                      f"{sizes[name]}", source=str(folder / name))
@@ -1149,52 +1163,7 @@ def _checked_metadata(folder: Path, sizes: dict[str, int]) -> Any:
     if unread:
         raise CorruptRecordError(f"{MANIFEST} lists shard file {unread[0]}, which DCP's "
                                  ".metadata does not name", source=str(folder))
-    return metadata
-
-
-_OVERLAP_CHECKED = 16  # chunks of one tensor compared pairwise up to this many (beyond:
-# no two at one offset); a load of n ranks' checkpoint checks every tensor's chunks
-
-
-def _check_chunks(metadata: Any, folder: Path) -> None:
-    """`CorruptRecordError` unless the chunks `.metadata` lists of every tensor entry tile it:
-    each inside the tensor, with a place in the shard files, their elements adding up to
-    the tensor's, no two non-empty ones at one offset (and, up to `_OVERLAP_CHECKED` chunks, none
-    overlapping). DCP reads what the
-    chunks cover and leaves the rest of the live tensor as it was: a tensor whose chunk
-    list was emptied loaded without a word, its live value kept."""
-    try:
-        for name, meta in metadata.state_dict_metadata.items():
-            if not isinstance(meta, TensorStorageMetadata):
-                continue
-            size = [int(n) for n in meta.size]
-            boxes = []
-            for chunk in meta.chunks:
-                at, extent = [int(n) for n in chunk.offsets], [int(n) for n in chunk.sizes]
-                if not (len(at) == len(extent) == len(size) and all(
-                        0 <= o and 0 <= e and o + e <= n for o, e, n in zip(at, extent, size))):
-                    raise CorruptRecordError(
-                        f"DCP's .metadata gives {name} a chunk at {at} of {extent}, outside its "
-                        f"shape {size}", source=str(folder), key=name)
-                if MetadataIndex(name, chunk.offsets) not in metadata.storage_data:
-                    raise CorruptRecordError(
-                        f"DCP's .metadata gives {name} a chunk at {at} that is in no shard file",
-                        source=str(folder), key=name)
-                boxes.append((at, extent))
-            total = sum(math.prod(extent) for _, extent in boxes)
-            filled = [tuple(at) for at, extent in boxes if math.prod(extent)]
-            overlap = len(set(filled)) < len(filled) or len(boxes) <= _OVERLAP_CHECKED and any(
-                all(a < c + f and c < a + e for a, e, c, f in zip(at1, ex1, at2, ex2))
-                and math.prod(ex1) and math.prod(ex2)
-                for i, (at1, ex1) in enumerate(boxes) for at2, ex2 in boxes[i + 1:])
-            if total != math.prod(size) or overlap:
-                raise CorruptRecordError(
-                    f"DCP's .metadata's chunks of {name} do not cover its shape {size} once "
-                    f"({total} elements in {len(boxes)} chunk(s)" + (", overlapping" if overlap
-                                                                    else "") + ")",
-                    source=str(folder), key=name)
-    except (AttributeError, TypeError, ValueError) as e:
-        raise CorruptRecordError(f"DCP's .metadata is malformed: {e}", source=str(folder)) from e
+    return metadata, crcs
 
 
 def _check_shapes(metadata: Any, target: dict[str, Any], path: Path) -> None:
@@ -1228,10 +1197,10 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         "grads": isinstance(doc.get("grads"), list) and all(isinstance(g, str) for g in doc["grads"]),
         "optimizer_state": isinstance(doc.get("optimizer_state"), bool),
         "shards": _well_formed_shards(doc),
+        "metadata": isinstance(doc.get("metadata"), dict) and set(doc["metadata"]) == {
+            "size", "crc32"} and all(type(v) is int and v >= 0 for v in doc["metadata"].values()),
+        "optimizer": isinstance(doc.get("optimizer"), str),
     })
-    if not (path / doc["dcp"] / ".metadata").is_file():
-        raise CorruptRecordError("the DCP checkpoint's .metadata is missing",
-                                 source=str(path / doc["dcp"]))
     return doc
 
 

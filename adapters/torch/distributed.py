@@ -52,6 +52,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -385,6 +386,14 @@ def _set(tree: Item, at: Path_, value: Item, whole: Path_, source: Path) -> Item
 # -- the commit ----------------------------------------------------------------------------
 
 
+def _os_error(error: OSError, what: str, path: Path) -> RecorderError:
+    """`error` (an `OSError` of a save) as the `RecorderError` a save raises."""
+    out = RecorderError(f"{what}: {type(error).__name__}: {error.strerror or error}; "
+                        f"{_NOT_COMMITTED}", source=str(path))
+    out.__cause__ = error
+    return out
+
+
 def _told(error: BaseException | None, path: Path) -> str:
     """`error` as the other ranks are told it, type and message, without the "(file PATH)"
     that their own error about `path` adds again."""
@@ -410,8 +419,10 @@ class _Commit:
         """Rank 0: make the temp directory (`token`, `temp`); what fails is kept for `begin`."""
         try:
             self._make_temp()
-        except (RecorderError, OSError) as e:
+        except RecorderError as e:
             self._error = e
+        except OSError as e:  # a folder we may not write in, a read-only file system
+            self._error = _os_error(e, "could not start the save", self.path)
 
     def begin(self, payload: Any) -> Any:
         """Every rank learns the temp directory's name and gets rank 0's `payload`. Raises on
@@ -438,6 +449,8 @@ class _Commit:
         self._outcome = ("ok", value)
 
     def fail(self, error: Exception) -> None:
+        if isinstance(error, OSError):  # permissions, a read-only or full file system
+            error = _os_error(error, "could not write its part", self.path)
         self._error = error
         self._outcome = ("error", _told(error, self.path))
 
@@ -764,17 +777,18 @@ def read_manifest(
     `CorruptRecordError` naming the file and the field, or the recorder that reads a
     checkpoint of the other distributed format."""
     file = path / MANIFEST
-    if not path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError as e:  # a folder above it we may not search
+        raise RecorderError(f"cannot read the checkpoint: {type(e).__name__}: {e.strerror or e}",
+                            source=str(path)) from e
+    if not is_dir:
         raise FileMissingError(f"no committed {recorder} checkpoint here (a save commits its "
                                "directory by renaming it into place)", source=str(path))
-    if file.exists() and not file.is_file():  # a FIFO blocked the read; /dev/zero never ended
-        raise CorruptRecordError(f"{MANIFEST} is not a regular file", source=str(file))
+    data = _read_json_bytes(file, path, recorder)
     try:
-        doc = json.loads(file.read_bytes())
-    except FileNotFoundError:
-        raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
-                                 f"{recorder} committed", source=str(path)) from None
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise CorruptRecordError(f"unreadable {MANIFEST}: {e}", source=str(file)) from e
     other = doc.get("format") if isinstance(doc, dict) else None
     if other != fmt and other in _OTHER_FORMATS:
@@ -802,6 +816,48 @@ def read_manifest(
             raise CorruptRecordError(f"malformed {key}" + (_parts_count(world, parts) if key == "parts" else ""),
                                      source=str(file), key=key)
     return doc
+
+
+MANIFEST_LIMIT = 64 << 20
+"""The largest `manifest.json` read (a DCP manifest holds about 60 bytes a shard entry:
+about a million entries; a DDP one a few hundred bytes)."""
+
+
+def _read_json_bytes(file: Path, path: Path, recorder: str) -> bytes:
+    """The bytes of the manifest `file`, bounded: a FIFO or device is refused without
+    blocking on it, a file larger than `MANIFEST_LIMIT` unread, and one with more than a
+    container (`[`, `{`) in 8 bytes unparsed (each costs about 60 bytes parsed: a manifest
+    holds one in about 40). A permission or I/O error is a `RecorderError` (not damage)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CorruptRecordError(f"the directory holds no {MANIFEST}: it is not a checkpoint "
+                                 f"{recorder} committed", source=str(path)) from None
+    except OSError as e:
+        raise RecorderError(f"{MANIFEST} cannot be opened: {type(e).__name__}: "
+                            f"{e.strerror or e}", source=str(file)) from e
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a FIFO blocked the read; /dev/zero never ended
+            raise CorruptRecordError(f"{MANIFEST} is not a regular file", source=str(file))
+        if info.st_size > MANIFEST_LIMIT:
+            raise CorruptRecordError(f"{MANIFEST} holds {info.st_size} bytes, more than the "
+                                     f"{MANIFEST_LIMIT} a manifest is read up to",
+                                     source=str(file))
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            data = f.read(MANIFEST_LIMIT + 1)
+    except OSError as e:
+        raise RecorderError(f"{MANIFEST} cannot be read: {type(e).__name__}: {e.strerror or e}",
+                            source=str(file)) from e
+    finally:
+        os.close(fd)
+    if len(data) > MANIFEST_LIMIT:
+        raise CorruptRecordError(f"{MANIFEST} holds more than {MANIFEST_LIMIT} bytes",
+                                 source=str(file))
+    if data.count(b"[") + data.count(b"{") > len(data) // 8 + 64:
+        raise CorruptRecordError(f"{MANIFEST} holds more containers than a manifest does: "
+                                 "refused unparsed", source=str(file))
+    return data
 
 
 def _parts_count(world: Any, parts: Any) -> str:

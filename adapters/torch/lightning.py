@@ -53,7 +53,10 @@ class ExactResume(pl.Callback):
 
     A checkpoint that does not fit (another model, a changed file, a state of another type,
     another `accumulate_grad_batches` or `rng` setting, or written without this callback)
-    raises `RecordMismatchError` naming what is wrong, before anything is written. Resuming
+    raises `RecordMismatchError` naming what is wrong, before anything is written: the
+    check runs before Lightning loads the checkpoint's weights into the module (Lightning
+    calls a callback's `on_load_checkpoint` only after that, so `setup` has the Trainer's
+    strategy run it first, from its `load_model_state_dict`). Resuming
     mid-epoch with a train dataloader that keeps no position (a plain `DataLoader`: Lightning
     restarts the epoch and replays batches) raises `ValueError` unless `allow_replay=True`.
 
@@ -74,6 +77,7 @@ class ExactResume(pl.Callback):
         self.allow_replay = bool(allow_replay)
         self._trainer: pl.Trainer | None = None
         self._pending: Pending | None = None
+        self._checked: Any = None  # the checkpoint dict `_pending` was checked from
         self._rng: TorchRngRecord | None = None
 
     @property
@@ -104,11 +108,34 @@ class ExactResume(pl.Callback):
                 "rank's own pending gradients would be lost"
             )
         self._trainer = trainer
+        self._check_before_the_weights(trainer)
+
+    def _check_before_the_weights(self, trainer: pl.Trainer) -> None:
+        """Make the Trainer's strategy check a checkpoint against this callback before it
+        loads the checkpoint's weights into the module: Lightning restores the model
+        (`Strategy.load_model_state_dict`) before it calls any callback's
+        `on_load_checkpoint`, so a refusal there came with the weights already loaded."""
+        strategy = trainer.strategy
+        load = strategy.load_model_state_dict
+        if getattr(load, "_trainrec_checks", None) is self:
+            return  # a second fit with this Trainer
+
+        def load_model_state_dict(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+            if trainer.lightning_module is not None and isinstance(checkpoint, dict):
+                self.on_load_checkpoint(trainer, trainer.lightning_module, checkpoint)
+            return load(checkpoint, *args, **kwargs)
+
+        load_model_state_dict._trainrec_checks = self  # type: ignore[attr-defined]
+        strategy.load_model_state_dict = load_model_state_dict  # type: ignore[method-assign]
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         """Check the checkpoint's entry against `pl_module` and keep it for
-        `on_train_start`; raises `RecordMismatchError` when it does not fit."""
+        `on_train_start`; raises `RecordMismatchError` when it does not fit. (Checked once
+        a checkpoint: the strategy calls this before it loads the weights, Lightning again
+        after.)"""
+        if checkpoint is self._checked and self._pending is not None:
+            return
         source = "Lightning checkpoint (trainrec ExactResume)"
         payload = checkpoint.get("callbacks", {}).get(self.state_key)
         if payload is None:
@@ -126,10 +153,10 @@ class ExactResume(pl.Callback):
                 "the pending gradients belong to another window; resume with the same "
                 "accumulate_grad_batches"
             )
-        self._pending = pending
+        self._pending, self._checked = pending, checkpoint
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._checked = self._pending, None, None
         if pending is None:
             return
         replaying = [type(dl).__name__ for dl in _leaves(trainer.train_dataloader)
