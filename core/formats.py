@@ -31,6 +31,7 @@ of its marker file, and a file is never sniffed by one (nor a directory by a fil
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._files import kind_of, open_regular
 from .errors import CorruptRecordError, RecorderError
 
 if TYPE_CHECKING:
@@ -84,7 +86,10 @@ class Format:
     - `verified`: what a successful read has checked (printed by `trainrec verify`);
     - `marker`: for a format whose checkpoints are directories, the path inside one of
       the file whose first bytes `sniff` is given (`"trainrec/metadata"`); `""` (the
-      default) for a format of files.
+      default) for a format of files;
+    - `partial`: for a format whose `reader` gives a view of a checkpoint rather than the
+      whole record, what it gives (`"rank 0's part"`); `trainrec convert` refuses such a
+      source, saying so. `""` (the default): the reader gives the whole record.
     """
 
     name: str
@@ -95,6 +100,7 @@ class Format:
     description: str = ""
     verified: str = "nothing: this format carries no checksums (parsed only)"
     marker: str = ""
+    partial: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -247,11 +253,13 @@ def resolve_directory_format(path: str | Path) -> Format:
     for fmt in known_formats():
         if not fmt.marker:
             continue
-        if not (p / fmt.marker).is_file():  # opening a FIFO would wait for a writer
-            continue
+        marker = p / fmt.marker
         try:
-            with open(p / fmt.marker, "rb") as f:
+            with open_regular(marker, str(p), follow=False, key=fmt.marker) as f:
                 head = f.read(SNIFF_BYTES)
+        except RecorderError as e:  # a FIFO (opening it would wait for a writer), a link
+            raise RecorderError(f"{fmt.marker} is {_what(marker)}: not a checkpoint of "
+                                f"{fmt.name} (nothing read)", source=str(p)) from e
         except OSError:
             continue
         try:
@@ -263,6 +271,14 @@ def resolve_directory_format(path: str | Path) -> Format:
     known = ", ".join(f"{f.name} ({f.marker})" for f in known_formats() if f.marker)
     raise FileMissingError(f"a directory, not a record file (no format of directories claims "
                            f"it: {known or 'none known'})", source=str(path))
+
+
+def _what(path: Path) -> str:
+    """What `path` is when it is not a regular file ("a FIFO", "a symbolic link")."""
+    try:
+        return kind_of(os.lstat(path).st_mode)
+    except OSError:
+        return "unreadable"
 
 
 def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) -> RecorderBase:
@@ -395,7 +411,8 @@ _BUILTIN: tuple[Format, ...] = (
            "a DDP checkpoint directory: trainrec.adapters.torch.DistributedRecorder reads it "
            "(shown: rank 0's view)",
            "the manifest, and every rank's part: its checksums, rank and save id",
-           marker="manifest.json"),
+           marker="manifest.json",
+           partial="rank 0's part only (the other ranks' pending gradients and state are left out)"),
     Format("trainrec.dcp", (), _sniff_manifest("trainrec.dcp"),
            _torch_reader("trainrec.dcp", "trainrec.adapters.torch.dcp", "read_dcp"),
            "trainrec.adapters.torch.dcp:DCPRecorder",
@@ -405,7 +422,8 @@ _BUILTIN: tuple[Format, ...] = (
            "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata and "
            "that its chunks tile every tensor, and every DCP entry's bytes against the CRC-32 "
            "the save recorded in the manifest",
-           marker="manifest.json"),
+           marker="manifest.json",
+           partial="what each entry is (dtype and shape), not its values"),
 )
 
 
