@@ -192,7 +192,14 @@ class CheckpointManager:
             raise TypeError(f"{type(recorder).__name__}.temp_suffixes must be a tuple of name "
                             f"endings, got {leftovers!r}")
         self._leftovers = tuple(leftovers)
-        if self.directory.exists() and not self.directory.is_dir():
+        try:
+            found = os.stat(self.directory)
+        except FileNotFoundError:
+            found = None
+        except OSError as e:
+            raise RecorderError(f"cannot use the checkpoint directory: {e}",
+                                source=str(self.directory)) from e
+        if found is not None and not stat.S_ISDIR(found.st_mode):
             raise RecorderError("the checkpoint directory is a file, not a directory",
                                 source=str(self.directory))
         if not read_only:
@@ -574,7 +581,8 @@ class CheckpointManager:
                     if self._is_complete(entry):
                         steps.append(s)
                     elif entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
-                        self._warn_foreign(entry.name, entry.stat(follow_symlinks=False).st_mode)
+                        with contextlib.suppress(OSError):  # gone meanwhile: nothing to say
+                            self._warn_foreign(entry.name, entry.stat(follow_symlinks=False).st_mode)
         except FileNotFoundError:
             return []
         except OSError as e:

@@ -688,3 +688,30 @@ def test_truncating_a_mapped_file_in_place_is_the_sigbus_the_docs_describe(tmp_p
     assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr[-2000:])
     assert done.stdout.split() == [str(float(1 << 20))]
 
+
+
+# -- item 7: what a checksum does not protect against -------------------------------------------
+
+
+def test_a_forgery_with_recomputed_checksums_loads_as_the_docs_say(tmp_path, capsys):
+    """spec/SECURITY.md section 6: the checksums are unkeyed CRC-32s, so they find damage,
+    not a forger. `maximize` flipped in a flax file is refused (the byte changed)...
+    and loads, passing `trainrec verify`, once the file checksum is recomputed."""
+    import zlib
+
+    from trainrec.cli import main
+
+    r = trainrec.FlaxMsgpackFileRecorder(NATIVE)
+    path = r.save_item({"maximize": False, "w": TensorData.from_array(np.ones(2, np.float32))},
+                       tmp_path / "x.msgpack")
+    data = bytearray(path.read_bytes())
+    at = data.index(b"maximize") + len(b"maximize")
+    assert data[at] == 0xC2  # msgpack False
+    data[at] = 0xC3
+    path.write_bytes(bytes(data))
+    with pytest.raises(trainrec.ChecksumError, match="file checksum"):
+        r.load_item(path)
+    data[-4:] = zlib.crc32(bytes(data[:-4])).to_bytes(4, "big")
+    path.write_bytes(bytes(data))
+    assert r.load_item(path)["maximize"] is True
+    assert main(["verify", str(path)]) == 0 and "OK:" in capsys.readouterr().out
