@@ -4,8 +4,10 @@ Exit codes: 0 success, 1 the check failed (corrupt file, records differ, inexact
 resume), 2 usage errors, 3 a file could not be read or written as a record, 4 a
 conversion was refused (the message lists every reason).
 
-Safe to point at any file: only regular files are read (a FIFO, device or directory is
-refused with exit 3 before it is opened), and every string that comes from a file or a
+Safe to point at any file: only regular files are read, and the directories of the
+formats of directories (Orbax, DDP, DCP checkpoints); a FIFO, device or other directory
+is refused with exit 3 before it is opened (and every reader refuses what is not a
+regular file, should a path change after that check), and every string that comes from a file or a
 path is printed with its control and other non-printable characters escaped (`\x1b`,
 `\n`, `\u202e`), so a crafted key cannot move the cursor, recolour the terminal or
 print a line of its own. `--json` output escapes them as JSON does.

@@ -87,6 +87,8 @@ _SAVING_NAME = re.compile(re.escape(_SAVING) + r"[0-9a-f]{24}")
 LOCK_NAME = ".trainrec-lock"
 """The file a writing manager holds an exclusive `flock` on."""
 _SAVE_XATTR = "user.trainrec.save"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,7 @@ class CheckpointManager:
         os.mkdir(staging, 0o700)  # ours alone: nobody else can plant a link in it
         try:
             staged_metrics = staging / self._metrics_path(step).name
-            fd = os.open(staged_metrics, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            fd = os.open(staged_metrics, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
                          | getattr(os, "O_CLOEXEC", 0), 0o666)
             try:
                 os.write(fd, doc)
@@ -638,7 +640,7 @@ class _DirectoryLock:
         return self.fd is not None
 
     def acquire(self) -> None:
-        flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK
+        flags = (os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK
                  | getattr(os, "O_CLOEXEC", 0))
         source = str(self.path)
         for _ in range(100):
@@ -811,7 +813,7 @@ def _make_durable(path: Path) -> None:
     if path.is_dir():
         for root, dirs, files in os.walk(path):
             paths += [Path(root, n) for n in (*dirs, *files)]
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     for p in paths:
         try:
             fd = os.open(p, flags)
