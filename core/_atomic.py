@@ -228,6 +228,53 @@ def _reserve(fd: int, nbytes: int) -> None:
         raise OSError(err, f"{os.strerror(err)}: the checkpoint needs at least {nbytes} bytes")
 
 
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+        _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                               ctypes.c_uint]
+        _renameat2.restype = ctypes.c_int
+    except (OSError, AttributeError):  # a libc older than glibc 2.28
+        _renameat2 = None
+
+
+def rename_noreplace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Rename `src` (a file or a directory) to `dst`, which must not exist: never replaces
+    anything there, and never follows a link there (a dangling one included). Raises
+    `FileExistsError` when `dst` exists, in any form; other `OSError`s as `rename` does.
+
+    Linux: one `renameat2(RENAME_NOREPLACE)`. Where the kernel or the file system has no
+    such flag: a file by `link` then `unlink` (`link` refuses an existing name just as
+    atomically); a directory, or a file system without hard links, by checking that `dst`
+    is free and renaming, which a writer racing on the same name could get in between (the
+    manager's directory lock keeps its own writers apart)."""
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(dst))
+    if not stat.S_ISDIR(os.lstat(src).st_mode):
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+                raise
+        else:
+            os.unlink(src)
+            return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         dfd = os.open(directory, os.O_RDONLY)

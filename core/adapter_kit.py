@@ -17,6 +17,10 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 - registration (section 3): `Adapter`, `register_adapter`, `adapt`;
 - a recorder of the adapter's own file format: `RecorderBase`, `Precision`,
   `store_tensor`, `check_limits`, `atomic_write` (crash-safe file replacement);
+- reading the files of a checkpoint safely: `open_regular` (a regular file only: a FIFO
+  or device is refused, never waited on; `follow=False` refuses a link), `read_json` (a
+  JSON file within bounds of bytes, values and depth) and `json_fits` (the same bounds,
+  for a writer), `kind_of` (what a file that is not regular is, for the error);
 - a file format with trainrec's envelope (a header, a per-tensor checksum and dtype table,
   a CRC over every byte; spec/FORMAT.md section 8): `Header`, `FILE_CRC_BYTES`, `CrcWriter`,
   `TensorTables`, `header_fields`, `path_arg`, `reserve_bytes`, `BF16PrecisionSettings`,
@@ -34,6 +38,7 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 
 from . import ptfile
 from ._atomic import atomic_write
+from ._files import json_fits, kind_of, open_regular, read_json
 from .array_api import ArrayApiAdapter, ArrayApiBackend
 from .checksum import crc32
 from .convert import (
@@ -162,14 +167,18 @@ __all__ = [
     "header_fields",
     "iter_tensors",
     "join_key",
+    "json_fits",
+    "kind_of",
     "kind_mismatches",
     "map_leaves",
     "map_tensors",
     "map_tree",
+    "open_regular",
     "parse_header",
     "path_arg",
     "path_of",
     "ptfile",
+    "read_json",
     "reader_of",
     "record",
     "register_adapter",

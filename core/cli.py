@@ -4,8 +4,10 @@ Exit codes: 0 success, 1 the check failed (corrupt file, records differ, inexact
 resume), 2 usage errors, 3 a file could not be read or written as a record (`check`: the
 workload itself failed), 4 a conversion was refused (the message lists every reason).
 
-Safe to point at any file: only regular files are read (a FIFO, device or directory is
-refused with exit 3 before it is opened), and every string that comes from a file or a
+Safe to point at any file: only regular files are read, and the directories of the
+formats of directories (Orbax, DDP, DCP checkpoints); a FIFO, device or other directory
+is refused with exit 3 before it is opened (and every reader refuses what is not a
+regular file, should a path change after that check), and every string that comes from a file or a
 path is printed with its control and other non-printable characters escaped (`\x1b`,
 `\n`, `\u202e`), so a crafted key cannot move the cursor, recolour the terminal or
 print a line of its own. `--json` output escapes them as JSON does.
@@ -461,6 +463,27 @@ def _progress(done: int, total: int, what: str) -> None:
               file=sys.stderr, flush=True)
 
 
+def _convertible(src: str, header: Any, item: Item) -> None:
+    """Refuse (`RecorderError`, nothing written) a source read as less than its whole
+    record: a format whose reader gives a view (DCP's entries without their values, a
+    DDP checkpoint's rank 0 part), or a `TrainingRecord` header over an item that is not
+    one."""
+    from .formats import format_named
+    from .training import TrainingRecord
+
+    fmt = format_named(header.format)
+    if fmt is not None and fmt.partial:
+        raise RecorderError(f"cannot convert {fmt.description or fmt.name}: read as a file it "
+                            f"gives {fmt.partial}, not the whole record (nothing written)",
+                            source=src)
+    if header.record_type == TrainingRecord.RECORD_NAME:
+        try:
+            TrainingRecord.from_item(item)
+        except RecorderError as e:
+            raise RecorderError(f"the source says it holds a TrainingRecord but does not: {e} "
+                                "(nothing written)", source=src) from e
+
+
 def _recorder_for(path: str) -> Any:
     """A recorder (native precision) for the format DST's extension names in the format
     registry; NamedMpk when it names none."""
@@ -508,6 +531,7 @@ def _convert(args: argparse.Namespace) -> int:
             if given is not None:
                 _regular_file(given, checkpoint=checkpoint)
         header, item = read_file(args.src, mmap=True)  # NamedMpk sources stream from the map
+        _convertible(args.src, header, item)
         if args.to == "mpk":
             total = sum(1 for _ in iter_tensors(item))
             count = [0]

@@ -28,6 +28,7 @@ import msgpack
 import numpy as np
 
 from ._atomic import atomic_write
+from ._files import open_regular
 from .checksum import crc32
 from .dtypes import DType
 from .envelope import (
@@ -155,7 +156,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
         path = path_arg(args)
         source = str(path)
         with reading(source):
-            with open(path, "rb") as f:
+            with open_regular(path, source) as f:
                 size = os.fstat(f.fileno()).st_size
                 _check_start(os.pread(f.fileno(), max(64, HEAD_BYTES), 0), source)
                 data: Any = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)

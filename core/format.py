@@ -52,6 +52,9 @@ FORMAT_VERSION = (1, 1)
 ALIGNMENT = 64
 CHUNK_BYTES = 2**31
 """Payloads longer than this are written as an array of `bin` chunks (bin32 holds < 4 GiB)."""
+MIN_CHUNK_BYTES = 1 << 20
+"""Readers refuse a chunked payload whose chunks but the last hold fewer bytes, or whose last
+chunk is empty (writers cut at `CHUNK_BYTES`)."""
 
 
 @dataclass(frozen=True)
@@ -699,6 +702,11 @@ class _Parser:
                     out.append({})
                     continue
             out.append(self.value(join_key(key, i), depth + 1, spans))
+            if spans and i and isinstance(prev := out[-2], _Span) and prev.length < MIN_CHUNK_BYTES:
+                # writers cut at CHUNK_BYTES: a million empty chunks would cost a Python
+                # object each, and a load seconds, for a tensor of no bytes
+                raise self.fail(f"a tensor payload chunk of {prev.length} bytes before the last "
+                                f"(every chunk but the last holds at least {MIN_CHUNK_BYTES})", key)
             ready = min(self.avail, self.stop)
         return out
 
@@ -776,6 +784,8 @@ class _Parser:
         if not chunks or not all(isinstance(c, _Span) for c in chunks):
             raise self.fail("tensor data is not bin or an array of bin", key)
         spans: list[_Span] = [c for c in chunks if isinstance(c, _Span)]
+        if len(spans) > 1 and spans[-1].length == 0:
+            raise self.fail("a chunked tensor payload whose last chunk is empty", key)
         crc = fields.get("crc")
         if not isinstance(crc, int) or isinstance(crc, bool):
             raise self.fail("tensor has no crc", key)

@@ -31,6 +31,7 @@ of its marker file, and a file is never sniffed by one (nor a directory by a fil
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._files import kind_of, open_regular
 from .errors import CorruptRecordError, RecorderError, reading
 
 if TYPE_CHECKING:
@@ -88,6 +90,9 @@ class Format:
     - `entries`: for a format whose reader checks entries that are not tensors of its item
       (a DCP directory's shard entries), `entries(item) -> (what, count, bytes)` says how
       many it checked (`trainrec verify` prints them); None (the default) otherwise.
+    - `partial`: for a format whose `reader` gives a view of a checkpoint rather than the
+      whole record, what it gives (`"rank 0's part"`); `trainrec convert` refuses such a
+      source, saying so. `""` (the default): the reader gives the whole record.
     """
 
     name: str
@@ -99,6 +104,7 @@ class Format:
     verified: str = "nothing: this format carries no checksums (parsed only)"
     marker: str = ""
     entries: Callable[[Item], tuple[str, int, int]] | None = None
+    partial: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -256,11 +262,15 @@ def resolve_directory_format(path: str | Path) -> Format:
     for fmt in known_formats():
         if not fmt.marker:
             continue
-        if not (p / fmt.marker).is_file():  # opening a FIFO would wait for a writer
-            continue
+        marker = p / fmt.marker
         try:
-            with open(p / fmt.marker, "rb") as f:
+            with open_regular(marker, str(p), follow=False, key=fmt.marker) as f:
                 head = f.read(SNIFF_BYTES)
+        except RecorderError as e:  # a FIFO (opening it would wait for a writer), a link
+            raise RecorderError(f"{fmt.marker} is {_what(marker)}: not a checkpoint of "
+                                f"{fmt.name} (nothing read)", source=str(p)) from e
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            continue
         except OSError as e:  # a marker there that we may not read: said if none claims it
             unreadable = unreadable or e
             continue
@@ -277,6 +287,14 @@ def resolve_directory_format(path: str | Path) -> Format:
     known = ", ".join(f"{f.name} ({f.marker})" for f in known_formats() if f.marker)
     raise FileMissingError(f"a directory, not a record file (no format of directories claims "
                            f"it: {known or 'none known'})", source=str(path))
+
+
+def _what(path: Path) -> str:
+    """What `path` is when it is not a regular file ("a FIFO", "a symbolic link")."""
+    try:
+        return kind_of(os.lstat(path).st_mode)
+    except OSError:
+        return "unreadable"
 
 
 def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) -> RecorderBase:
@@ -425,7 +443,8 @@ _BUILTIN: tuple[Format, ...] = (
            "a DDP checkpoint directory: trainrec.adapters.torch.DistributedRecorder reads it "
            "(shown: rank 0's view)",
            "the manifest, and every rank's part: its checksums, rank and save id",
-           marker="manifest.json"),
+           marker="manifest.json",
+           partial="rank 0's part only (the other ranks' pending gradients and state are left out)"),
     Format("trainrec.dcp", (), _sniff_manifest("trainrec.dcp"),
            _torch_reader("trainrec.dcp", "trainrec.adapters.torch.dcp", "read_dcp"),
            "trainrec.adapters.torch.dcp:DCPRecorder",
@@ -435,7 +454,8 @@ _BUILTIN: tuple[Format, ...] = (
            "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata (its "
            "CRC-32, and that its chunks tile every tensor), and every DCP entry's bytes "
            "against the CRC-32 the save recorded in the manifest",
-           marker="manifest.json", entries=_dcp_entries),
+           marker="manifest.json", entries=_dcp_entries,
+           partial="what each entry is (dtype and shape), not its values"),
 )
 
 

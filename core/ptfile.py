@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._files import open_regular
 from .checksum import crc32
 from .dtypes import DType
 from .envelope import (
@@ -65,7 +66,7 @@ def read_pt(path: Path, mmap: bool = False, *, limits: Limits | None = None) -> 
     key, `UnsupportedVersionError` for another major version, `FileMissingError`."""
     source = str(path)
     with reading(source):
-        with open(path, "rb") as f:
+        with open_regular(path, source) as f:
             fd = f.fileno()
             size = os.fstat(fd).st_size
             head = os.pread(fd, HEAD_BYTES, 0)

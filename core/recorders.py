@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ._files import open_regular
 from .envelope import path_arg
 from .errors import (
     CorruptRecordError,
@@ -164,7 +165,7 @@ class NamedMpkFileRecorder(RecorderBase):
         path = path_arg(args)
         source = str(path)
         with reading(source):
-            with open(path, "rb") as f:
+            with open_regular(path, source) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size == 0:
                     raise CorruptRecordError("empty file", source=source)
@@ -220,7 +221,7 @@ class NamedMpkGzFileRecorder(RecorderBase):
         path = path_arg(args)
         source = str(path)
         with reading(source):
-            with open(path, "rb") as f:
+            with open_regular(path, source) as f:
                 head = f.read(2)
                 if head != b"\x1f\x8b":
                     f.seek(0)
@@ -325,7 +326,7 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False, template: Any
 def _head(path: Path) -> bytes:
     """The first bytes of a checkpoint file (for the formats' sniffs)."""
     with reading(str(path)):
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read(HEAD_BYTES)
 
 

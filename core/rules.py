@@ -35,6 +35,9 @@ import numpy as np
 # einops' own parser of a pattern's sides: a pattern is checked when its rule is made
 from einops.parsing import ParsedExpression
 
+from ._files import open_regular
+from .errors import RecorderError
+
 __all__ = ["Plan", "Rule", "TRANSFORMS", "PRESETS", "register_transform", "load_rules", "plan_rules"]
 
 HostArray = np.ndarray[Any, Any]
@@ -365,7 +368,12 @@ def load_rules(path: str | Path) -> list[Rule]:
     if not p.exists() and str(path) in PRESETS:
         return list(PRESETS[str(path)])
     try:
-        data = json.loads(p.read_bytes().decode("utf-8"))
+        with open_regular(p) as f:  # a FIFO or device would block or never end
+            raw = f.read()
+    except RecorderError as e:
+        raise ValueError(f"{path}: {e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     except ValueError as e:

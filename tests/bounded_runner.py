@@ -30,6 +30,10 @@ def _recorder(name: str):
         from trainrec.adapters.jax.recorder import FlaxMsgpackFileRecorder
 
         return FlaxMsgpackFileRecorder(trainrec.NativePrecisionSettings())
+    if name == "orbax":
+        from trainrec.adapters.jax import OrbaxRecorder
+
+        return OrbaxRecorder(trainrec.NativePrecisionSettings())
     return {"mpk": trainrec.NamedMpkFileRecorder, "gz": trainrec.NamedMpkGzFileRecorder,
             "bytes": trainrec.NamedMpkBytesRecorder}[name](trainrec.NativePrecisionSettings())
 
@@ -47,6 +51,19 @@ def _run(case: dict) -> str:
         except BaseException as e:  # noqa: BLE001 - reported, the test fails on it
             return f"raised {type(e).__name__}: {e}"
         return f"exit {code}"
+    if case["kind"] == "metrics":  # a manager reading a step's metrics (a warning, or {})
+        import warnings
+
+        from trainrec import CheckpointManager
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got = CheckpointManager(case["path"]).metrics(case["step"])
+            except BaseException as e:  # noqa: BLE001 - reported, the test fails on it
+                return f"raised {type(e).__name__}: {e}"
+        said = "; ".join(str(w.message) for w in caught)
+        return f"metrics {got} warned: {said}"
     r = _recorder(case["recorder"])
     args = case["path"]
     if case["recorder"] == "bytes":
@@ -99,7 +116,7 @@ def main() -> None:
     import trainrec.cli  # noqa: F401
 
     for name in {c.get("recorder") for c in cases} | {"torch", "flax"}:
-        if name in ("torch", "flax"):
+        if name in ("torch", "flax", "orbax"):
             with contextlib.suppress(ImportError):
                 _recorder(name)
     for case in cases:

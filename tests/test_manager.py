@@ -149,13 +149,13 @@ def test_every_recorder_loads_back_what_was_saved_dtype_included(make, tmp_path)
     assert mgr.steps() == [2, 3]
     suffix = ".mpk" if recorder is None else recorder.suffix
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-00000002.metrics.json", f"step-00000002{suffix}",
+        ".trainrec-lock", "step-00000002.metrics.json", f"step-00000002{suffix}",
         "step-00000003.metrics.json", f"step-00000003{suffix}"]
     for s in (2, 3):
         loaded = mgr.load(s)
         assert same(loaded.into_item(NATIVE), saved[s].into_item(NATIVE)), s
         assert mgr.metrics(s) == {"loss": 1.0 / s}
-    rebuilt = CheckpointManager(tmp_path, make()).load(state_type=Mixed)  # a new process's view
+    rebuilt = CheckpointManager(tmp_path, make(), read_only=True).load(state_type=Mixed)  # a reader's view
     assert rebuilt.state.step == 3
     assert all(rebuilt.state.arrays[k].dtype == v.dtype for k, v in saved[3].state.arrays.items())
 
@@ -358,7 +358,7 @@ def test_foreign_files_are_ignored_and_never_deleted(tmp_path):
     mgr = _run(tmp_path, range(1, 7), keep_last=1)
     assert mgr.steps() == [6]
     assert {p.name for p in tmp_path.iterdir()} == set(foreign) | {
-        "step-00000000.mpk", "step-00000006.mpk", "step-00000006.metrics.json"}
+        ".trainrec-lock", "step-00000000.mpk", "step-00000006.mpk", "step-00000006.metrics.json"}
 
 
 # -- misuse --------------------------------------------------------------------------------
@@ -387,6 +387,7 @@ def test_misuse_raises_clearly(tmp_path):
     for step in (5, 4):
         with pytest.raises(ValueError, match=r"not after step 5.*steps only grow"):
             mgr.save(step, rec, metrics={"loss": 1.0})
+    mgr.close()  # the directory's lock, for the next manager
     with pytest.raises(ValueError, match="not after step 5"):  # steps found on disk count too
         CheckpointManager(tmp_path / "run").save(5, rec)
     with pytest.raises(FileMissingError, match=r"no complete checkpoint for step 3; the steps there are: 5"):
@@ -442,6 +443,8 @@ _CRASHER = textwrap.dedent(
     if kill_at >= 0:  # kill before the kill_at-th rename, unlink or fsync of one save
         for name in ("replace", "unlink", "fsync"):
             setattr(os, name, counted(getattr(os, name)))
+        import trainrec.manager  # the manager's own renames (never over anything)
+        trainrec.manager.rename_noreplace = counted(trainrec.manager.rename_noreplace)
     print("ready", flush=True)
     for s in range(start, start + 10_000):
         for v in model.params.values():
@@ -499,7 +502,7 @@ def test_a_crash_at_every_phase_of_a_save_leaves_every_listed_step_loadable(tmp_
         after = _check_directory(directory)
         assert after[-1] == 7
         assert not [p for p in directory.iterdir() if p.name.endswith(".trainrec-tmp")]
-        leftover = {p.name for p in directory.iterdir()} - {
+        leftover = {p.name for p in directory.iterdir()} - {".trainrec-lock"} - {
             f"step-{s:08d}{e}" for s in after for e in (".mpk", ".metrics.json")}
         assert leftover == set(), (kill_at, leftover)
 
@@ -622,7 +625,7 @@ def test_sigterm_saves_and_exits_cleanly_and_the_resumed_run_is_bitwise_exact(tm
     stopped = int(out.strip().splitlines()[-1].split()[-1])
     assert out.strip().splitlines()[-1] == f"preempted at {stopped}"
     assert 13 <= stopped < 60
-    mgr = CheckpointManager(tmp_path / "p")
+    mgr = CheckpointManager(tmp_path / "p", read_only=True)  # a reader: the resume writes
     assert mgr.latest_step() == stopped
     assert not (tmp_path / "unused.npz").exists()  # it stopped, not finished
     resumed = subprocess.run(run("resume", tmp_path / "p", tmp_path / "resumed.npz"),

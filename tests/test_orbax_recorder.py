@@ -212,7 +212,7 @@ def test_a_save_never_replaces_a_file_a_foreign_directory_or_into_a_missing_fold
     big = {"losses": [0.5] * 1000}
     OrbaxRecorder().save_item(big, tmp_path / "big.orbax")
     monkeypatch.setattr(orbax_recorder, "MAX_JSON_BYTES", 1000)
-    with pytest.raises(CorruptRecordError, match="more than 1000"):
+    with pytest.raises(CorruptRecordError, match="more than the 1000 a load accepts"):
         OrbaxRecorder().read(tmp_path / "big.orbax")
     with pytest.raises(RecorderError, match="more than the 1000 a load accepts"):
         OrbaxRecorder().save_item(big, tmp_path / "big2.orbax")  # what a load refuses is never written
@@ -415,12 +415,12 @@ def test_the_checkpoint_manager_keeps_and_deletes_orbax_directories(tmp_path):
         mgr.save(s, rec, metrics={"loss": 1.0 / s}, block=True)
     assert mgr.steps() == [2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "foreign.orbax-checkpoint-tmp",
+        ".trainrec-lock", "foreign.orbax-checkpoint-tmp",
         "step-00000002.metrics.json", "step-00000002.orbax",
         "step-00000003.metrics.json", "step-00000003.orbax"]
     for s in (2, 3):
         assert same(mgr.load(s).into_item(NATIVE), saved[s].into_item(NATIVE))
-    assert CheckpointManager(tmp_path, OrbaxRecorder()).load(state_type=Step).state.step == 3
+    assert CheckpointManager(tmp_path, OrbaxRecorder(), read_only=True).load(state_type=Step).state.step == 3
 
 
 # -- several devices, several processes, fresh processes -------------------------------------

@@ -53,6 +53,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import struct
 import sys
 from collections.abc import Callable
@@ -76,9 +77,13 @@ from trainrec.adapter_kit import (
     crc32,
     header_fields,
     iter_tensors,
+    json_fits,
+    kind_of,
     map_leaves,
+    open_regular,
     parse_header,
     path_arg,
+    read_json,
     reader_of,
     restore_dtypes,
     store_tensor,
@@ -93,9 +98,15 @@ ARRAYS_ITEM = "arrays"
 JSON_ITEM = "trainrec"
 JSON_FILE = "metadata"  # the file `ocp.args.JsonSave` writes inside its item's directory
 MARKER = f"{JSON_ITEM}/{JSON_FILE}"
-MAX_JSON_BYTES = 256 << 20
+MAX_JSON_BYTES = 16 << 20
 """A JSON item larger than this is refused before it is read, and never written (it holds
-the structure and scalars only; the arrays live in Orbax's own files)."""
+the structure and scalars only; the arrays live in Orbax's own files: 16 MiB is the table
+of about 150,000 tensors). Its values are held to the object budget of `json_fits`."""
+_ORBAX_JSON_BYTES = 1 << 20
+_ORBAX_JSON_BYTES_PER_ARRAY = 2048
+"""Orbax's own JSON files (`_CHECKPOINT_METADATA`, `arrays/_METADATA`, `arrays/_sharding`)
+are read by trainrec first, up to this many bytes plus this many per array of the table
+(about 190 are written per array), before Orbax reads them."""
 
 _STAGING = ".trainrec-new"
 """A save over an existing checkpoint `NAME` writes `NAME.trainrec-new` first."""
@@ -176,12 +187,11 @@ class OrbaxRecorder(RecorderBase):
             "shards": shards,
         }
         doc["crc"] = _doc_crc(doc)
-        size = len(json.dumps(doc))  # as `JsonSave` writes it
-        if size > MAX_JSON_BYTES:
+        problem = json_fits(json.dumps(doc), MAX_JSON_BYTES)  # as `JsonSave` writes it
+        if problem:
             raise RecorderError(
-                f"the record's structure and scalars take {size} bytes as JSON, more than the "
-                f"{MAX_JSON_BYTES} a load accepts: hold large data in arrays, not lists",
-                source=source)
+                f"the record's structure and scalars take {problem}: hold large data in "
+                "arrays, not lists", source=source)
         items = {JSON_ITEM: ocp.args.JsonSave(doc)}
         if arrays:
             items[ARRAYS_ITEM] = ocp.args.PyTreeSave(arrays)
@@ -338,7 +348,7 @@ def _check_target(path: Path) -> None:
     if not path.is_dir():
         raise RecorderError("the target is a file; an Orbax checkpoint is a directory and a save "
                             "replaces only an Orbax checkpoint of trainrec's", source=str(path))
-    if not (path / MARKER).is_file():
+    if not _is_regular(path / MARKER):
         raise RecorderError("the target is a directory that is not a trainrec Orbax checkpoint; "
                             "a save replaces only those (choose another path)", source=str(path))
 
@@ -397,8 +407,8 @@ def _exchange(new: Path, old: Path) -> None:
 def _committed_crc(path: Path) -> Any:
     """The `crc` of the JSON item at `path` (None when there is none that parses)."""
     try:
-        doc = json.loads((path / MARKER).read_bytes())
-    except (OSError, ValueError, RecursionError):
+        doc = read_json(path / MARKER, max_bytes=MAX_JSON_BYTES, max_depth=None, follow=False)
+    except RecorderError:
         return None
     return doc.get("crc") if isinstance(doc, dict) else None
 
@@ -427,44 +437,92 @@ def _read_doc(path: Path, source: str) -> dict[str, Any]:
         raise FileMissingError("no such checkpoint", source=source)
     if not path.is_dir():
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, source) as f:
                 hint = reader_of(f.read(64), not_=FORMAT)
-        except OSError:
+        except (OSError, RecorderError):
             hint = ""
         raise CorruptRecordError("a file, not an Orbax checkpoint (a directory)"
                                  + (hint or "; trainrec.read_file reads a record file of any format"),
                                  source=source)
+    _check_tree(path, source)
     marker = path / MARKER
-    if not marker.is_file():
+    if not _is_regular(marker):
         what = ("an Orbax checkpoint without trainrec's item (items: "
                 f"{sorted(p.name for p in path.iterdir() if p.is_dir())})"
-                if (path / "_CHECKPOINT_METADATA").is_file() else "not an Orbax checkpoint")
+                if _is_regular(path / "_CHECKPOINT_METADATA") else "not an Orbax checkpoint")
         raise CorruptRecordError(f"{what}: no {MARKER} file", source=source)
-    if not (path / "commit_success.txt").is_file() and not (path / "_CHECKPOINT_METADATA").is_file():
+    if not _is_regular(path / "commit_success.txt") and not _is_regular(path / "_CHECKPOINT_METADATA"):
         raise CorruptRecordError("an Orbax checkpoint that was never finalized", source=source)
-    size = marker.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise CorruptRecordError(f"the JSON item has {size} bytes, more than {MAX_JSON_BYTES}",
-                                 source=source, key=MARKER)
-    try:
-        doc = json.loads(marker.read_bytes())
-    except (ValueError, RecursionError) as e:
-        raise CorruptRecordError(f"the JSON item does not parse: {e}", source=source,
-                                 key=MARKER) from None
-    except OSError as e:
-        raise RecorderError(f"cannot read the JSON item: {e}", source=source, key=MARKER) from e
+    # the item's nesting is bounded by `_decode` (256), below the parser's recursion limit
+    doc = read_json(marker, max_bytes=MAX_JSON_BYTES, max_depth=None, source=source, key=MARKER,
+                    follow=False)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptRecordError(f"the JSON item is not a {FORMAT} header", source=source,
                                  key=MARKER)
     stored = doc.get("crc")
     try:
         computed = _doc_crc(doc)
-    except (ValueError, TypeError):  # a non-finite float: never written by a save
+    except (ValueError, TypeError, RecursionError):  # a non-finite float: never written
         computed = -1
     if type(stored) is not int or stored != computed:
         raise CorruptRecordError("the JSON item's checksum does not match: it was edited or "
                                  "damaged after the save", source=source, key=MARKER)
     return doc
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether `path` is a regular file (a link to one is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _check_tree(path: Path, source: str) -> None:
+    """Refuse a checkpoint holding anything but regular files and real folders: Orbax and
+    tensorstore open every file they read as it is, so a FIFO would block them (a load,
+    `trainrec verify`) forever, a device never end, and a link read outside the
+    checkpoint. Nothing is opened."""
+    folders = [path]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(Path(entry.path))
+                    elif not entry.is_file(follow_symlinks=False):
+                        what = kind_of(entry.stat(follow_symlinks=False).st_mode)
+                        raise CorruptRecordError(
+                            f"{os.path.relpath(entry.path, path)} is {what}: an Orbax checkpoint "
+                            "holds only regular files and folders (nothing was read)",
+                            source=source)
+        except OSError as e:
+            raise RecorderError(f"cannot list the checkpoint: {e}", source=source) from e
+
+
+def _check_orbax_json(path: Path, names: list[str], source: str) -> None:
+    """Read Orbax's own JSON files within bounds before Orbax does (a sparse 8 GiB
+    `_METADATA` was a `MemoryError`, and one listing 15,000 arrays the table does not have
+    made Orbax open each for 12 seconds before failing), and refuse array metadata that
+    lists other arrays than the table's."""
+    cap = _ORBAX_JSON_BYTES + _ORBAX_JSON_BYTES_PER_ARRAY * len(names)
+    for name in ("_CHECKPOINT_METADATA", f"{ARRAYS_ITEM}/_METADATA", f"{ARRAYS_ITEM}/_sharding"):
+        if not (path / name).exists():
+            continue
+        doc = read_json(path / name, max_bytes=cap, max_depth=16, source=source, key=name,
+                        follow=False)
+        tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
+        if name.endswith("/_METADATA") and isinstance(tree, dict):
+            want = {str((n,)) for n in names}
+            if set(tree) != want:
+                extra, missing = sorted(set(tree) - want), sorted(want - set(tree))
+                raise CorruptRecordError(
+                    f"the arrays do not match the tensor table: Orbax's array metadata lists "
+                    f"{len(tree)}, the table {len(want)}"
+                    + (f"; not in the table: {', '.join(extra[:5])}" if extra else "")
+                    + (f"; missing: {', '.join(missing[:5])}" if missing else ""),
+                    source=source, key=name)
 
 
 _Row = tuple[str, tuple[int, ...], DType, "str | None"]
@@ -500,11 +558,12 @@ def _read_arrays(path: Path, table: list[_Row], source: str,
     expected = {name: (shape, dtype) for _, shape, dtype, name in table if name is not None}
     if not expected:
         return {}
-    import orbax.checkpoint as ocp
-
     where = path / ARRAYS_ITEM
     if not where.is_dir():
         raise CorruptRecordError(f"the {ARRAYS_ITEM} item is missing", source=source)
+    _check_orbax_json(path, sorted(expected), source)
+    import orbax.checkpoint as ocp
+
     try:
         meta = ocp.PyTreeCheckpointHandler().metadata(where)
         tree = getattr(meta, "tree", meta)
