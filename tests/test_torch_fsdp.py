@@ -253,6 +253,8 @@ def _sched(opt):
     (lambda p: (p / "manifest.json").unlink(), CorruptRecordError, "holds no manifest.json"),
     (lambda p: _edit_manifest(p, format="trainrec.other"), CorruptRecordError, "not a trainrec.dcp"),
     (lambda p: _edit_manifest(p, version=[4, 0]), trainrec.UnsupportedVersionError, "version 4.0"),
+    (lambda p: _edit_manifest(p, version=[2, 0]), trainrec.UnsupportedVersionError,
+     "version 2.0.*older trainrec.*save it again"),
     (lambda p: _edit_manifest(p, world_size=0), CorruptRecordError, "malformed world_size"),
     (lambda p: _edit_manifest(p, dcp="../x"), CorruptRecordError, "malformed dcp"),
     (lambda p: _edit_manifest(p, grads="0.weight"), CorruptRecordError, "malformed grads"),

@@ -800,8 +800,11 @@ def read_manifest(
     if not (isinstance(got, list) and len(got) == 2 and all(type(v) is int for v in got)):
         raise CorruptRecordError("malformed version", source=str(file), key="version")
     if got[0] != version[0]:
+        older = (" (written by an older trainrec, before the checks of format "
+                 f"{version[0]}.0: load it with the trainrec that wrote it and save it again)"
+                 if got[0] < version[0] else " (written by a newer trainrec: upgrade trainrec)")
         raise UnsupportedVersionError(f"format version {got[0]}.{got[1]}, this trainrec "
-                                      f"reads {version[0]}.x", source=str(file))
+                                      f"reads {version[0]}.x{older}", source=str(file))
     world = doc.get("world_size")
     parts = doc.get("parts")
     checks = {
