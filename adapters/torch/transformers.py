@@ -81,11 +81,18 @@ from trainrec import (
     CorruptRecordError,
     NamedMpkFileRecorder,
     NativePrecisionSettings,
-    RecorderError,
     RecordMismatchError,
 )
 
-from .distributed import _broadcast, _Commit, _part_name, _rank_world, _read_part, agree, read_manifest
+from .distributed import (
+    _broadcast,
+    _Commit,
+    _part_name,
+    _rank_world,
+    _read_part,
+    agree,
+    read_manifest,
+)
 from .pending import Pending, pack, unpack
 from .rng import TorchRngRecord
 
@@ -97,6 +104,10 @@ _PART = "trainrec.transformers.part"
 _MODEL_DIR = "model"
 _TRAINER_STATE = "trainer_state.json"
 _SUFFIX = ".mpk"
+# the Trainer methods ExactResume wraps (spec/PROTOCOLS.md, "Hugging Face Trainer")
+_WRAPPED = ("train", "_load_from_checkpoint", "set_initial_training_values",
+            "_init_training_state", "get_batch_samples", "training_step", "_load_rng_state",
+            "_maybe_log_save_evaluate")
 _NAME = re.compile(r"exact-checkpoint-(\d+)-(\d+)(?:-(\d+))?")
 _STEP = re.compile(r"checkpoint-(\d+)")
 _NATIVE = NativePrecisionSettings()
@@ -153,7 +164,7 @@ def checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[tuple[int, int
     return sorted(out)
 
 
-class ExactResume(TrainerCallback):  # type: ignore[misc]
+class ExactResume(TrainerCallback):
     """Make a `transformers.Trainer` stop on SIGTERM with an exact checkpoint at any
     micro-step, and resume from one bitwise: `ExactResume.attach(trainer)` (see the module
     docstring). Passing `ExactResume()` in `Trainer(callbacks=[...])` instead is refused
@@ -194,17 +205,15 @@ class ExactResume(TrainerCallback):  # type: ignore[misc]
         if not signals or not all(isinstance(s, int) for s in signals):
             raise TypeError("signals must be a non-empty sequence of signal numbers")
         _refuse_unsupported(trainer)
-        self = cls()
-        self._trainer = trainer
-        self._signals = signals
-        trainer.add_callback(self)
-        for name in ("train", "_load_from_checkpoint", "set_initial_training_values",
-                     "_init_training_state", "get_batch_samples", "training_step",
-                     "_load_rng_state", "_maybe_log_save_evaluate"):
+        exact = cls()
+        exact._trainer = trainer
+        exact._signals = signals
+        trainer.add_callback(exact)
+        for name in _WRAPPED:  # on the instance: a subclass's overrides are what is wrapped
             original = getattr(trainer, name)
-            wrapper = getattr(self, f"_wrap{name if name.startswith('_') else '_' + name}")
+            wrapper = getattr(exact, "_wrap_" + name.lstrip("_"))
             setattr(trainer, name, functools.wraps(original)(functools.partial(wrapper, original)))
-        return self
+        return exact
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         raise ValueError("ExactResume is attached with ExactResume.attach(trainer), after the "
@@ -323,7 +332,13 @@ class ExactResume(TrainerCallback):  # type: ignore[misc]
             raise CorruptRecordError(f"{_TRAINER_STATE} says global step {state.get('global_step')},"
                                      f" the parts {counters['global_step']}", source=str(path))
         position = pending.state
-        assert isinstance(position, _Position)
+        assert isinstance(position, _Position) and pending.rng is not None
+        cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if len(pending.rng.cuda) != cuda or len(position.epoch_rng.cuda) != cuda:
+            raise RecordMismatchError(f"{_SOURCE} {file} holds the RNG states of "
+                                      f"{len(pending.rng.cuda)} CUDA devices, this machine has "
+                                      f"{cuda}: resume on a machine like the one it was saved on",
+                                      source=str(file))
         if counters["micro"] and len(position.batches) != counters["window"] - counters["micro"]:
             raise CorruptRecordError(f"holds {len(position.batches)} batches of the window, "
                                      f"{counters['window'] - counters['micro']} were left",
@@ -430,10 +445,14 @@ class ExactResume(TrainerCallback):  # type: ignore[misc]
             micro = resume.counters["micro"]
             if micro:
                 return self._rest_of_window(original, epoch_iterator, num_batches, device)
-            if not resume.rng_applied:  # the next window: fetched with the RNG of the save
-                resume.pending.rng.apply()  # type: ignore[union-attr]
-                resume.rng_applied = True
         batches, num_items = original(epoch_iterator, num_batches, device)
+        if resume is not None and not resume.rng_applied:
+            # saved between two windows: the RNG of the save once the next one is fetched (the
+            # epoch's first fetch makes the loader's iterator, which draws its base seed: the
+            # uninterrupted run drew it at that fetch too, from the epoch's start state)
+            assert resume.pending.rng is not None
+            resume.pending.rng.apply()
+            resume.rng_applied = True
         self._window = (batches, num_items)
         self._done = 0
         return batches, num_items
@@ -607,11 +626,15 @@ class ExactResume(TrainerCallback):  # type: ignore[misc]
 
 
 def _is_exact(path: Path) -> bool:
+    """Whether `path` is (or, by its name, claims to be) an exact checkpoint: its manifest
+    says so. One whose manifest is damaged is read, and refused with the reason, as one."""
+    if _NAME.fullmatch(path.name):
+        return True
     try:
         doc = json.loads((path / "manifest.json").read_bytes())
     except (OSError, ValueError):
-        return bool(_NAME.fullmatch(path.name))  # refused with the reason by the read
-    return isinstance(doc, dict) and doc.get("format") == FORMAT or bool(_NAME.fullmatch(path.name))
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
 
 
 def _free_name(root: Path, step: int, micro: int) -> str:
