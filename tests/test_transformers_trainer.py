@@ -397,3 +397,15 @@ def test_without_the_extra_the_import_says_what_to_install():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_batches_that_are_not_tensors_are_refused_at_the_first_window(make_trainer):
+    from trainrec.adapters.torch.transformers import ExactResume
+
+    trainer = make_trainer(eval_strategy="no", save_strategy="no")
+    collate = trainer.data_collator
+    trainer.data_collator = lambda features: {**collate(features), "source": ["a"] * len(features)}
+    ExactResume.attach(trainer)
+    with pytest.raises(TypeError, match="batch 0 of the window is not a mapping of str to tensors"):
+        trainer.train()
+    assert all(p.grad is None for p in trainer.model.parameters())  # no micro-step ran

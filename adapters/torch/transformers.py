@@ -183,6 +183,7 @@ class ExactResume(TrainerCallback):
         self._done = 0  # micro-steps of the window in progress done
         self._epoch_rng: TorchRngRecord | None = None
         self._epoch_ended = False
+        self._batches_checked = False
         self._loop: tuple[int, int, int] = (0, 0, 0)  # steps_in_epoch, updates an epoch, max_steps
         self.exit_code = None
         self.saved: Path | None = None
@@ -235,6 +236,7 @@ class ExactResume(TrainerCallback):
         self._resume = None if path is None or not _is_exact(path) else self._check(path)
         self._signalled, self.exit_code, self.saved = None, None, None
         self._epoch_rng, self._epoch_ended, self._done = None, False, 0
+        self._batches_checked = False
         self._install()
         try:
             return original(resume_from_checkpoint=None if path is None else str(path),
@@ -446,6 +448,9 @@ class ExactResume(TrainerCallback):
             if micro:
                 return self._rest_of_window(original, epoch_iterator, num_batches, device)
         batches, num_items = original(epoch_iterator, num_batches, device)
+        if not self._batches_checked and batches:  # refused now, not at a signal's save
+            _batch(batches[0], 0)
+            self._batches_checked = True
         if resume is not None and not resume.rng_applied:
             # saved between two windows: the RNG of the save once the next one is fetched (the
             # epoch's first fetch makes the loader's iterator, which draws its base seed: the
@@ -658,8 +663,8 @@ def _batch(batch: Any, index: int) -> dict[str, torch.Tensor]:
     if not isinstance(batch, Mapping) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in batch.items()):
         raise TypeError(
-            f"batch {index} of the window in progress is not a mapping of str to tensors "
-            f"({type(batch).__name__}): ExactResume saves the rest of the window, fetched "
+            f"batch {index} of the window is not a mapping of str to tensors "
+            f"({type(batch).__name__}): ExactResume saves the rest of a window, fetched "
             "ahead, as tensors; use a data collator that returns tensors only")
     return {k: v.detach() for k, v in batch.items()}
 
