@@ -409,3 +409,28 @@ def test_batches_that_are_not_tensors_are_refused_at_the_first_window(make_train
     with pytest.raises(TypeError, match="batch 0 of the window is not a mapping of str to tensors"):
         trainer.train()
     assert all(p.grad is None for p in trainer.model.parameters())  # no micro-step ran
+
+
+def test_a_save_that_fails_commits_nothing_and_raises(make_trainer, tmp_path, monkeypatch):
+    import signal
+
+    from trainrec import NamedMpkFileRecorder
+    from trainrec.adapters.torch.transformers import ExactResume
+
+    transformers = make_trainer.transformers
+
+    class Preempted(transformers.TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # ExactResume's handler is in place
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    trainer = make_trainer(eval_strategy="no", save_strategy="no")
+    trainer.add_callback(Preempted())
+    ExactResume.attach(trainer)
+    monkeypatch.setattr(NamedMpkFileRecorder, "save_item", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.train()
+    assert os.listdir(tmp_path / "out") == []  # neither the checkpoint nor its temp directory
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -22,7 +22,9 @@ Trainer's own methods, and per rank the pending `.grad`, the micro-step within t
 the rest of the window's batches and its token count, the RNG states (now and at the start
 of the epoch), the loss not yet logged. Then `train()` raises `SystemExit(128 + signal)`
 (143 for SIGTERM): the user's code after `train()` (a `save_model`) does not run on a
-half-trained model. Trainer's `checkpoint-N` folders are never touched.
+half-trained model. Trainer's `checkpoint-N` folders are never touched. A save that
+fails (a rank could not write its part) raises its error from `train()` on every rank,
+having committed nothing; earlier checkpoints are untouched.
 
 `train(resume_from_checkpoint=True)` takes the newest checkpoint of either kind (an exact
 one at step N micro-step k is newer than `checkpoint-N`), `resume_from_checkpoint=PATH`
@@ -545,11 +547,11 @@ class ExactResume(TrainerCallback):
 
     def _save_and_exit(self) -> None:
         signum = self._signalled if self._signalled is not None else self._signals[0]
-        self.saved = self.save()
+        self.saved = self._save()
         self.exit_code = 128 + int(signum)
         raise SystemExit(self.exit_code)
 
-    def save(self) -> Path:
+    def _save(self) -> Path:
         """Commit an exact checkpoint of the run as it stands (collective: every rank, at
         the same point; called on a signal) and return its path. Raises `RecorderError` on
         every rank when a rank could not write its part; nothing is committed then."""
@@ -559,9 +561,9 @@ class ExactResume(TrainerCallback):
         step = int(trainer.state.global_step)
         micro = self._done
         root = Path(trainer._get_output_dir(trial=None))
-        name = [None]
+        name: list[str | None] = [None]
         if rank == 0:
-            name[0] = _free_name(root, step, micro)  # type: ignore[call-overload]
+            name[0] = _free_name(root, step, micro)
         _broadcast(name, None)
         path = root / str(name[0])
         commit = _Commit(path, rank, world, None)
