@@ -1,6 +1,6 @@
 """Every ```python block of README.md runs as written, each in a fresh interpreter.
 
-A block that needs torch, jax, flax, optax, equinox, accelerate, lightning or torchdata is
+A block that needs torch, jax, flax, optax, equinox, accelerate, lightning, torchdata or transformers is
 skipped when that package is not installed. A block that is not meant to run must say so, and why, in an HTML comment on
 the line before its fence: `<!-- readme-test: not run: <the reason> -->`."""
 
@@ -17,7 +17,8 @@ import pytest
 README = Path(__file__).resolve().parents[1] / "README.md"
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _NOT_RUN = re.compile(r"<!-- readme-test: not run:(.*?)-->[ \t]*\n\Z")
-_OPTIONAL = ("torch", "jax", "flax", "optax", "equinox", "orbax", "accelerate", "lightning", "torchdata")
+_OPTIONAL = ("torch", "jax", "flax", "optax", "equinox", "orbax", "accelerate", "lightning", "torchdata",
+             "transformers")
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
 TIMEOUT_S = 300
 

@@ -17,7 +17,9 @@ The tool integrations are submodules imported by name, each needing its extra:
 `trainrec.adapters.torch.accelerate.ExactResume` (Hugging Face Accelerate's `save_state` /
 `load_state`, `trainrec[accelerate]`) and `trainrec.adapters.torch.lightning.ExactResume`
 (a Lightning `Callback`, `trainrec[lightning]`), which make a mid-window checkpoint of those
-tools resume bitwise.
+tools resume bitwise, and `trainrec.adapters.torch.transformers.ExactResume.attach(trainer)`
+(Hugging Face `Trainer`, `trainrec[transformers]`), which makes a SIGTERM at any micro-step
+commit an exact checkpoint that `trainer.train(resume_from_checkpoint=True)` resumes bitwise.
 """
 
 from __future__ import annotations
