@@ -111,10 +111,21 @@ def _main(argv: Sequence[str] | None) -> int:
                           "spec/CONVERSION.md), or a built-in preset's name (attention); repeat it "
                           "for several: they are tried in the order given, before the built-in ones")
     con.add_argument("--map", help="deprecated spelling of --rules (one file)")
-    con.add_argument("--force", action="store_true", help="convert even where the optimizer maths differ")
+    con.add_argument("--force", action="store_true",
+                     help="convert even where the optimizer algorithms or the schedule's position do not carry "
+                          "(never where the optimizer's maths differ: see --use-template)")
+    con.add_argument("--use-template", action="append", metavar="FIELD",
+                     help="take the template's value of this field of the optimizer's maths where the source's "
+                          "differs or is unknown (lr, b1, b2, eps, momentum, weight_decay, ...: "
+                          "trainrec.convert.MATHS); repeat it, or separate fields with commas")
+    con.add_argument("--explain", action="store_true",
+                     help="print which rule or neutral name made each tensor, what was dropped and kept, and "
+                          "every value not carried from the source")
     con.add_argument("--lr", type=float, nargs="+", metavar="RATE",
                      help="the learning rate at the record's schedule position (one, or one per "
-                          "param group): needed for a torch target whose scheduler computes it")
+                          "param group): needed for a torch target whose scheduler computes it; give "
+                          "exactly the value the target's scheduler has there (checked against the "
+                          "source's rate where the source gives one)")
     con.add_argument("--drop-rng", action="store_true", help="drop framework RNG states (not convertible)")
     con.add_argument("--allow-lossy", action="store_true",
                      help="round values into a template's narrower dtypes (refused by default)")
@@ -510,8 +521,30 @@ def _burn_template(source: Any) -> Any:
     return burn_template(source)
 
 
+# the API's spellings in conversion messages, and the command line's (patterns for re.sub)
+_FLAGS = ((r"use_template=\[([^\]]*)\]", "--use-template FIELDS"),
+          (r"force=True", "--force"),
+          (r"allow_lossy=True", "--allow-lossy"),
+          (r"drop_rng=True \(--drop-rng\)|drop_rng=True", "--drop-rng"),
+          (r"convert\(lr=\.\.\.\)|\blr=(?= ?\S)", "--lr "),
+          (r"\blr (is for|must be)", r"--lr \1"),
+          (r"\buse_template:", "--use-template:"))
+
+
+def _cli_spelling(text: str) -> str:
+    """`text` (a conversion's message) naming the command line's flags, not the API's."""
+    import re
+
+    def fields(m: re.Match[str]) -> str:
+        return "--use-template " + ",".join(f.strip(" '\"") for f in m.group(1).split(","))
+
+    for pattern, flag in _FLAGS:
+        text = re.sub(pattern, fields if "FIELDS" in flag else flag, text)
+    return text.replace("--lr  ", "--lr ").replace("--lr (", "--lr RATE (")
+
+
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import ConversionError, convert, framework_of
+    from .convert import ConversionError, convert_with_report, framework_of
     from .items import iter_tensors, map_tensors
     from .recorders import read_file
     from .rules import PRESETS, load_rules
@@ -520,7 +553,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.to == "mpk":  # a re-encoding: the conversion's options would be silently ignored
         unused = [flag for flag, given in (("--template", args.template), ("--rules", args.rules),
                                            ("--map", args.map), ("--lr", args.lr), ("--force", args.force),
-                                           ("--drop-rng", args.drop_rng), ("--allow-lossy", args.allow_lossy))
+                                           ("--drop-rng", args.drop_rng), ("--allow-lossy", args.allow_lossy),
+                                           ("--use-template", args.use_template), ("--explain", args.explain))
                   if given not in (None, False, [])]
         if unused:
             print(f"trainrec convert: --to mpk re-encodes the record as it is; {', '.join(unused)} "
@@ -574,8 +608,10 @@ def _convert(args: argparse.Namespace) -> int:
                     _regular_file(given, checkpoint=False)
                 rules += load_rules(given)
             lr = None if args.lr is None else args.lr[0] if len(args.lr) == 1 else args.lr
-            converted = convert(source, template, rules=rules or None, force=args.force,
-                                drop_rng=args.drop_rng, lr=lr, allow_lossy=args.allow_lossy)
+            fields = [f.strip() for given in args.use_template or [] for f in given.split(",") if f.strip()]
+            converted, report = convert_with_report(source, template, rules=rules or None, force=args.force,
+                                                    drop_rng=args.drop_rng, lr=lr, allow_lossy=args.allow_lossy,
+                                                    use_template=fields)
             converted.save(_recorder_for(args.dst), args.dst)
             summary = {"dst": args.dst, "from": framework_of(source), "to": args.to,
                        "parameters": sum(1 for _ in iter_tensors(converted.model.item)),
@@ -587,11 +623,17 @@ def _convert(args: argparse.Namespace) -> int:
                 )
 
                 summary["optimizer"] = str(optimizer_path(args.dst))
+            if args.json and (args.explain or report.notes()):
+                summary["report" if args.explain else "notes"] = report.lines() if args.explain else report.notes()
+            elif args.explain:
+                print("\n".join(_printable(line) for line in report.lines()))
+            for note in [] if args.json else report.notes():
+                print(_printable(f"trainrec convert: note: {_cli_spelling(note)}"), file=sys.stderr)
     except ConversionError as e:
-        print(f"trainrec convert: refused: {_message(e, lines=True)}", file=sys.stderr)
+        print(f"trainrec convert: refused: {_cli_spelling(_message(e, lines=True))}", file=sys.stderr)
         return 4
     except (RecorderError, ValueError, OSError) as e:
-        print(f"trainrec convert: {_message(e)}", file=sys.stderr)
+        print(f"trainrec convert: {_cli_spelling(_message(e))}", file=sys.stderr)
         return 3
     print(json.dumps(summary) if args.json else
           _printable("wrote " + ", ".join(f"{k} {v}" for k, v in summary.items())))

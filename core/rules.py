@@ -21,6 +21,7 @@ read from the JSON files in `trainrec/presets/` (their file names are their name
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -38,7 +39,8 @@ from einops.parsing import ParsedExpression
 from ._files import open_regular
 from .errors import RecorderError
 
-__all__ = ["Plan", "Rule", "TRANSFORMS", "PRESETS", "register_transform", "load_rules", "plan_rules"]
+__all__ = ["Plan", "Rule", "RulesResult", "TRANSFORMS", "PRESETS", "INDICES", "register_transform", "load_rules",
+           "plan_rules", "apply_rules"]
 
 HostArray = np.ndarray[Any, Any]
 Shape = tuple[int, ...]
@@ -54,6 +56,7 @@ class Plan:
     shape: Shape  # the shape fn returns (the target's)
     fn: Callable[[Sequence[HostArray]], HostArray]  # source arrays -> target array
     why: str  # for messages: which rule, which operation
+    rule: Rule | None = field(default=None, compare=False)  # the rule that made it (None: neutral names)
 
 
 # -- transforms -----------------------------------------------------------------------------
@@ -139,7 +142,25 @@ def _expand(parts: Sequence[str | tuple[_Ref]], values: Mapping[_Ref, str]) -> s
 # -- rules ----------------------------------------------------------------------------------
 
 _RULE_KEYS = ("match", "sources", "replace", "targets", "transform", "rearrange", "reshape", "axes",
-              "names", "from", "to", "comment")
+              "names", "indices", "from", "to", "optional", "comment")
+_OTHER_KINDS = ("drop", "keep")  # {"drop": regex} / {"keep": regex}, with from, to, optional, comment
+_OTHER_KEYS = ("from", "to", "optional", "comment")
+# how `indices` writes a module path's list indices: torch and nnx `blocks.0.`, flax linen `blocks_0.`
+INDICES = {"flax": "list indices as flax linen names them: `blocks.0.` -> `blocks_0.`",
+           "dotted": "list indices as torch and flax nnx name them: `blocks_0.` -> `blocks.0.`"}
+_TO_FLAX = re.compile(r"(?<=[^.])\.(\d+)(?=\.|$)")
+_TO_DOTTED = re.compile(r"(?<=[^._])_(\d+)(?=\.|$)")
+
+
+def _reindexed(value: str, how: str) -> str:
+    """`value` (a module path) with its list indices written `how` (a key of `INDICES`)."""
+    if how == "flax":
+        while True:  # `layers.0.1` -> `layers_0_1`: one index at a time
+            new = _TO_FLAX.sub(r"_\1", value)
+            if new == value:
+                return new
+            value = new
+    return _TO_DOTTED.sub(r".\1", value)
 
 
 def _split_pattern(pattern: str) -> tuple[ParsedExpression, ParsedExpression]:
@@ -164,7 +185,13 @@ class Rule:
     list: the rule does not match). At most one layout operation: `rearrange` (an einops
     pattern; axis sizes come from the target's shape, then from `axes`), `reshape` (to the
     target's shape) or `transform` (a name in `TRANSFORMS`; "none" is no operation).
-    `from_` / `to` restrict the rule to a source / target framework.
+    `indices` writes a group's captured module path with its list indices the target's
+    way (`{"m": "flax"}`: `blocks.0.` -> `blocks_0.`; `"dotted"`: the reverse), trying the
+    path as captured where that names no target. `from_` / `to` restrict the rule to a
+    source / target framework (a neutral form's name). `kind` "drop" drops the source
+    tensors `match` names (`replace` ""), "keep" keeps the template tensors it names
+    (the template's values). `optional`: the rule may decide no tensor at all (else a
+    conversion refuses a rule that decided none).
     Raises `ValueError` naming every field that is wrong.
     """
 
@@ -177,6 +204,9 @@ class Rule:
     names: Mapping[str, Mapping[str, str]] = field(default_factory=dict, hash=False)
     from_: str | None = None
     to: str | None = None
+    kind: str = "map"
+    optional: bool = False
+    indices: Mapping[str, str] = field(default_factory=dict, hash=False)
     origin: str = field(default="", compare=False)  # where it was read, for messages
     _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False, hash=False)
     _targets: tuple[list[str | tuple[_Ref]], ...] = field(init=False, repr=False, compare=False, hash=False)
@@ -262,6 +292,28 @@ class Rule:
         for key, value in (("from", self.from_), ("to", self.to)):
             if value is not None and not (isinstance(value, str) and value):
                 problems.append(f"{key!r} must be a framework name")
+        if not isinstance(self.optional, bool):
+            problems.append("'optional' must be true or false")
+        if not isinstance(self.indices, Mapping):
+            problems.append("'indices' must be a map {group: 'flax' or 'dotted'}")
+        else:
+            for group, how in self.indices.items():
+                if how not in INDICES:
+                    problems.append(f"indices[{group!r}]: {how!r} is not one of {sorted(INDICES)}")
+                elif regexes and not (isinstance(group, str) and (
+                        group in regexes[0].groupindex or group.isdigit() and 0 < int(group) <= regexes[0].groups)):
+                    problems.append(f"indices[{group!r}]: no such group in {field_of[0]}")
+        if self.kind not in ("map", *_OTHER_KINDS):
+            problems.append(f"kind {self.kind!r} is not 'map', 'drop' or 'keep'")
+        elif self.kind == "map" and "" in replaces:
+            problems.append("'replace' must name a target (a rule that drops its sources is {\"drop\": ...})")
+        elif self.kind != "map":
+            if len(matches) != 1:
+                problems.append(f"a {self.kind} rule names its tensors with one regular expression")
+            given = [k for k, v in (("replace", self.replace != ""), ("names", bool(self.names)),
+                                    ("indices", bool(self.indices))) if v] + operations
+            if given:
+                problems.append(f"a {self.kind} rule takes no {', '.join(repr(k) for k in given)}")
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "_regexes", tuple(regexes))
@@ -274,6 +326,8 @@ class Rule:
 
     def describe(self, index: int) -> str:
         """The rule for messages: where it comes from and its layout operation."""
+        if self.kind != "map":
+            return f"{self.origin or f'rule {index}'} ({self.kind})"
         op = (f" {self.rearrange!r}" if self.rearrange is not None else " reshape" if self.reshape
               else f" transform {self.transform!r}" if self.transform != "none" else "")
         return f"{self.origin or f'rule {index}'}{op}"
@@ -297,6 +351,20 @@ class Rule:
                         values[name] = values[ref]
         return values
 
+    def _alternatives(self, values: dict[_Ref, str], regex: re.Pattern[str]) -> list[dict[_Ref, str]]:
+        """`values` with the `indices` groups rewritten, then as captured (where they differ)."""
+        if not self.indices:
+            return [values]
+        new = dict(values)
+        for group, how in self.indices.items():
+            ref: _Ref = int(group) if group.isdigit() else group
+            new[ref] = _reindexed(values[ref], how)
+            aliases: list[_Ref] = ([n for g, n in regex.groupindex.items() if g == ref] if isinstance(ref, str)
+                                   else [g for g, n in regex.groupindex.items() if n == ref])
+            for other in aliases:  # the same group by its number and by its name
+                new[other] = new[ref]
+        return [new] if new == values else [new, values]
+
     def _find(self, name: str) -> tuple[int, dict[_Ref, str]] | None:
         """(which of `match` the name matches, its group values), or None."""
         for i, regex in enumerate(self._regexes):
@@ -312,29 +380,71 @@ def _rule_from(entry: Any) -> Rule:
     """A `Rule` from one JSON entry; `ValueError` naming every wrong key."""
     if not isinstance(entry, dict):
         raise ValueError(f"expected a map {{\"match\", \"replace\", ...}}, got {type(entry).__name__}")
-    problems = [f"unknown key {k!r}" for k in sorted(set(entry) - set(_RULE_KEYS))]
-    for one, many in (("match", "sources"), ("replace", "targets")):
-        if one in entry and many in entry:
-            problems.append(f"{one!r} and {many!r} together: give one")
-        elif one not in entry and many not in entry:
-            problems.append(f"missing {one!r} (or {many!r})")
-        elif one in entry and not isinstance(entry[one], str):
-            problems.append(f"{one!r} must be a string")
-        elif many in entry and not (isinstance(entry[many], list) and all(isinstance(s, str) for s in entry[many])):
-            problems.append(f"{many!r} must be a list of strings")
+    kinds = [k for k in _OTHER_KINDS if k in entry]
+    if kinds:
+        kind = kinds[0]
+        problems = [f"unknown key {k!r} (a {kind} rule holds {kind!r}, 'from', 'to', 'optional', 'comment')"
+                    for k in sorted(set(entry) - {kind, *_OTHER_KEYS})]
+        if not isinstance(entry[kind], str):
+            problems.append(f"{kind!r} must be a string (a regular expression)")
+    else:
+        kind = "map"
+        problems = [f"unknown key {k!r}" for k in sorted(set(entry) - set(_RULE_KEYS))]
+        for one, many in (("match", "sources"), ("replace", "targets")):
+            if one in entry and many in entry:
+                problems.append(f"{one!r} and {many!r} together: give one")
+            elif one not in entry and many not in entry:
+                problems.append(f"missing {one!r} (or {many!r}, or a rule of kind 'drop' or 'keep')")
+            elif one in entry and not isinstance(entry[one], str):
+                problems.append(f"{one!r} must be a string")
+            elif many in entry and not (isinstance(entry[many], list) and all(isinstance(s, str) for s in entry[many])):
+                problems.append(f"{many!r} must be a list of strings")
     for key in ("transform", "rearrange", "from", "to", "comment"):
         if key in entry and not isinstance(entry[key], str):
             problems.append(f"{key!r} must be a string")
+    if "optional" in entry and not isinstance(entry["optional"], bool):
+        problems.append("'optional' must be true or false")
     if problems:
         raise ValueError("; ".join(problems))
+    common = {"from_": entry.get("from"), "to": entry.get("to"), "optional": entry.get("optional", False)}
+    if kind != "map":
+        return Rule(entry[kind], "", kind=kind, **common)
     match = entry["match"] if "match" in entry else tuple(entry["sources"])
     replace = entry["replace"] if "replace" in entry else tuple(entry["targets"])
     return Rule(match, replace, entry.get("transform", "none"), entry.get("rearrange"),
                 entry.get("reshape", False), entry.get("axes", {}), entry.get("names", {}),
-                entry.get("from"), entry.get("to"))
+                indices=entry.get("indices", {}), **common)
 
 
-def _rules_from(data: Any, where: str) -> list[Rule]:
+def _forms_named(rules: list[Rule], where: str) -> list[Rule]:
+    """`rules` with `from` / `to` names resolved to neutral forms' names (an adapter's
+    name is an alias of its form: `convert.FORM_ALIASES`); `ValueError` naming each rule
+    whose name no form has, and the known names."""
+    from .convert import FORM_ALIASES, form_names  # the forms live there; it imports this module
+
+    known = form_names()
+    out, problems = [], []
+    for i, rule in enumerate(rules):
+        names: dict[str, str | None] = {}
+        for key, value in (("from_", rule.from_), ("to", rule.to)):
+            if value is None or value in known:
+                names[key] = value
+            elif value in FORM_ALIASES:
+                names[key] = FORM_ALIASES[value]
+            else:
+                label = "from" if key == "from_" else "to"
+                problems.append(f"{rule.origin or f'{where}: rules[{i}]'}: {label!r}: {value!r} names no neutral "
+                                f"form; known: {sorted(known)}, or an adapter's name for its form "
+                                f"({', '.join(f'{a} = {f}' for a, f in sorted(FORM_ALIASES.items()))})")
+        if len(names) == 2 and (names["from_"], names["to"]) != (rule.from_, rule.to):
+            rule = dataclasses.replace(rule, from_=names["from_"], to=names["to"])
+        out.append(rule)
+    if problems:
+        raise ValueError("bad conversion rules: " + "; ".join(problems))
+    return out
+
+
+def _rules_from(data: Any, where: str, *, check_forms: bool = True) -> list[Rule]:
     if not isinstance(data, dict) or not isinstance(data.get("rules"), list):
         raise ValueError(f"{where}: expected {{\"rules\": [...]}}")
     unknown = sorted(set(data) - {"rules", "description"})
@@ -352,7 +462,7 @@ def _rules_from(data: Any, where: str) -> list[Rule]:
             rules.append(rule)
     if problems:
         raise ValueError("bad conversion rules: " + "; ".join(problems))
-    return rules
+    return _forms_named(rules, where) if check_forms else rules
 
 
 def load_rules(path: str | Path) -> list[Rule]:
@@ -361,7 +471,9 @@ def load_rules(path: str | Path) -> list[Rule]:
 
     Raises `ValueError` naming the file, and every rule that is wrong with its index and
     field (an unknown key, a regex that does not compile, a backreference to no group, a
-    pattern einops cannot parse, two layout operations, an unknown transform, ...);
+    pattern einops cannot parse, two layout operations, an unknown transform, a `from` /
+    `to` that names no neutral form, listing the known ones; an adapter's name, `flax`
+    or `numpy`, reads as its form's, `convert.FORM_ALIASES`, ...);
     `OSError` where the file cannot be read.
     """
     p = Path(path)
@@ -468,6 +580,22 @@ def _sources(rule: Rule, name: str, which: int, source: Mapping[str, Shape], tak
     return names
 
 
+@dataclass
+class RulesResult:
+    """What rules decided (`apply_rules`): `plans` by target name; `problems`; `dropped`
+    (source name -> the drop rule) and `kept` (template name -> the keep rule); `unused`:
+    (index, rule, why) for the rules that apply to the frameworks and decided no tensor
+    (an optional rule is not listed); `skipped`: (index, rule) of those for other
+    frameworks (`from` / `to`)."""
+
+    plans: dict[str, Plan] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    dropped: dict[str, Rule] = field(default_factory=dict)
+    kept: dict[str, Rule] = field(default_factory=dict)
+    unused: list[tuple[int, Rule, str]] = field(default_factory=list)
+    skipped: list[tuple[int, Rule]] = field(default_factory=list)
+
+
 def plan_rules(rules: Sequence[Rule], source: Mapping[str, Shape], target: Mapping[str, Shape], *,
                frameworks: tuple[str, str] | None = None,
                strict: bool = True) -> tuple[dict[str, Plan], list[str]]:
@@ -480,53 +608,107 @@ def plan_rules(rules: Sequence[Rule], source: Mapping[str, Shape], target: Mappi
     operation cannot give the target's shape is a problem naming the source, the target
     and both shapes; without it (built-in presets) such a rule is passed over and the next
     one tried. Two plans for one target, and sources that a many-to-one rule cannot tell
-    apart, are problems either way. Sources no rule matches are in no plan.
+    apart, are problems either way. Sources no rule matches are in no plan. (The plans
+    and problems of `apply_rules`, which also says what drop and keep rules did and which
+    rules decided nothing.)
     """
+    done = apply_rules(rules, source, target, frameworks=frameworks, strict=strict)
+    return done.plans, done.problems
+
+
+def apply_rules(rules: Sequence[Rule], source: Mapping[str, Shape], target: Mapping[str, Shape], *,
+                frameworks: tuple[str, str] | None = None, strict: bool = True) -> RulesResult:
+    """`plan_rules`, saying everything the rules did (`RulesResult`). A drop rule decides
+    a source name as a map rule does (the first rule that matches decides); a keep rule
+    keeps the template tensors it matches that no map rule makes (with `strict`, one a map
+    rule makes too is a problem)."""
+    out = RulesResult()
     active = [(i, r) for i, r in enumerate(rules) if r.applies(frameworks)]
-    plans: dict[str, Plan] = {}
-    problems: list[str] = []
+    out.skipped = [(i, r) for i, r in enumerate(rules) if not r.applies(frameworks)]
+    decided: set[int] = set()
     taken: set[str] = set()
     indexes: dict[int, dict[tuple[int, tuple[tuple[str, str], ...]], list[str]]] = {}
     for name in source:
         if name in taken:
             continue
         for i, rule in active:
+            if rule.kind == "keep":
+                continue
             found = rule._find(name)
             if found is None:
                 continue
             which, values = found
             why = rule.describe(i)
+            if rule.kind == "drop":
+                out.dropped[name] = rule
+                decided.add(i)
+                taken.add(name)
+                break
             names = [name]
             if len(rule._regexes) > 1:
                 got = _sources(rule, name, which, source, taken, indexes.setdefault(i, {}))
                 if isinstance(got, tuple):
                     text, ambiguous = got
                     if strict or ambiguous:
-                        problems.append(f"{name}: {why} {text}")
+                        out.problems.append(f"{name}: {why} {text}")
+                        decided.add(i)
                         break
                     continue
                 names = got
                 first = rule._values(rule._regexes[0].fullmatch(names[0]))  # type: ignore[arg-type]
                 assert first is not None  # indexed only where `names` lists its values
                 values = first  # the template's groups are those of the first expression
-            outs = [_expand(t, values) for t in rule._targets]
-            misfit = _misfit(rule, why, names, outs, source, target)
+            fits: list[tuple[list[str], tuple[Transform, Shape] | str]] = []
+            for alternative in rule._alternatives(values, rule._regexes[0]):
+                outs = [_expand(t, alternative) for t in rule._targets]
+                fits.append((outs, _misfit(rule, why, names, outs, source, target)))
+                if not isinstance(fits[-1][1], str):
+                    break
+            outs, misfit = fits[-1]
             if isinstance(misfit, str):
                 if strict:
-                    problems.append(misfit)
+                    # the alternative whose targets exist says the most
+                    named = [f for f in fits if all(t in target for t in f[0])]
+                    out.problems.append(str((named or fits)[0][1]))
+                    decided.add(i)
                     break
                 continue
             op, want = misfit
-            for part, out in enumerate(outs):
-                if out in plans:
-                    problems.append(f"{out}: made by {plans[out].why} from {', '.join(plans[out].sources)} "
-                                    f"and by {why} from {', '.join(names)}")
+            decided.add(i)
+            for part, made in enumerate(outs):
+                if made in out.plans:
+                    other = out.plans[made]
+                    out.problems.append(f"{made}: made by {other.why} from {', '.join(other.sources)} "
+                                        f"and by {why} from {', '.join(names)}")
                     continue
-                plans[out] = Plan(out, tuple(names), want,
-                                  _plan_fn(op, len(names), part if len(outs) > 1 else None), why)
+                out.plans[made] = Plan(made, tuple(names), want,
+                                       _plan_fn(op, len(names), part if len(outs) > 1 else None), why, rule)
             taken.update(names)
             break
-    return plans, problems
+    keeps = [(i, r) for i, r in active if r.kind == "keep"]
+    for name in target if keeps else ():
+        for i, rule in keeps:
+            if rule._find(name) is None:
+                continue
+            decided.add(i)
+            if name in out.plans:
+                if strict:
+                    out.problems.append(f"{name}: made by {out.plans[name].why} from "
+                                        f"{', '.join(out.plans[name].sources)} and kept by {rule.describe(i)}")
+            else:
+                out.kept[name] = rule
+            break
+    for i, rule in active:
+        if i in decided or rule.optional:
+            continue
+        pool = target if rule.kind == "keep" else source
+        matched = [n for n in pool if rule._find(n) is not None]
+        side = "template" if rule.kind == "keep" else "source"
+        why = (f"it matches {', '.join(matched[:3])}{', ...' if len(matched) > 3 else ''}, which "
+               f"{'a map rule makes' if rule.kind == 'keep' else 'earlier rules decided'}" if matched
+               else f"it matches no {side} tensor")
+        out.unused.append((i, rule, why))
+    return out
 
 
 def _misfit(rule: Rule, why: str, names: list[str], outs: list[str], source: Mapping[str, Shape],
@@ -559,7 +741,8 @@ def _misfit(rule: Rule, why: str, names: list[str], outs: list[str], source: Map
 def _presets() -> dict[str, list[Rule]]:
     out: dict[str, list[Rule]] = {}
     for path in sorted((Path(__file__).parent / "presets").glob("*.json")):
-        out[path.stem] = _rules_from(json.loads(path.read_text()), f"preset {path.stem!r}")
+        # the forms' names are checked by tests/test_rules.py (convert imports this module)
+        out[path.stem] = _rules_from(json.loads(path.read_text()), f"preset {path.stem!r}", check_forms=False)
     return out
 
 

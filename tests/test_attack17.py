@@ -44,7 +44,7 @@ def _transform(monkeypatch, name, fn, shape=None):
 # [8, 2, 4], no error. Now every plan's result is checked against the target's shape.
 def test_a_transform_returning_the_wrong_shape_is_refused_not_written(monkeypatch):
     _transform(monkeypatch, "a17_liar", lambda a: a.T, shape=lambda s: s)
-    out = convert(_numpy_record(0), _torch_template(),
+    out = convert(_numpy_record(0), _torch_template(), use_template=["lr"],  # the numpy run's rate is code
                   rules=[Rule(r"layers\.0\.weight", "layers.0.weight", transform="a17_liar")])
     with pytest.raises(ConversionError, match=r"layers\.0\.weight.*a17_liar.*\[4, 8\].*\[8, 4\]"):
         out.save(NamedMpkBytesRecorder())
@@ -52,7 +52,7 @@ def test_a_transform_returning_the_wrong_shape_is_refused_not_written(monkeypatc
 
 def test_a_transform_whose_shape_depends_on_the_values_is_refused(monkeypatch):
     _transform(monkeypatch, "a17_datadep", lambda a: a if a.dtype == np.uint8 else a[1:])
-    out = convert(_numpy_record(0), _torch_template(),
+    out = convert(_numpy_record(0), _torch_template(), use_template=["lr"],  # the numpy run's rate is code
                   rules=[Rule(r"layers\.0\.bias", "layers.0.bias", transform="a17_datadep")])
     # the shape probe (a uint8 array) sees the right shape; real values lose an element
     with pytest.raises(ConversionError, match=r"layers\.0\.bias.*a17_datadep"):
@@ -63,7 +63,7 @@ def test_a_transform_whose_shape_depends_on_the_values_is_refused(monkeypatch):
 # (ZeroDivisionError) from the middle of a save; now a ConversionError naming the target.
 def test_a_transform_that_raises_on_real_values_is_a_conversion_error(monkeypatch):
     _transform(monkeypatch, "a17_raiser", lambda a: a if a.dtype == np.uint8 else 1 / 0)
-    out = convert(_numpy_record(0), _torch_template(),
+    out = convert(_numpy_record(0), _torch_template(), use_template=["lr"],  # the numpy run's rate is code
                   rules=[Rule(r"layers\.1\.weight", "layers.1.weight", transform="a17_raiser")])
     with pytest.raises(ConversionError, match=r"layers\.1\.weight.*a17_raiser.*ZeroDivisionError"):
         out.save(NamedMpkBytesRecorder())
@@ -71,7 +71,7 @@ def test_a_transform_that_raises_on_real_values_is_a_conversion_error(monkeypatc
 
 def test_a_transform_returning_no_array_is_refused(monkeypatch):
     _transform(monkeypatch, "a17_objects", lambda a: a if a.dtype == np.uint8 else a.astype(object))
-    out = convert(_numpy_record(0), _torch_template(),
+    out = convert(_numpy_record(0), _torch_template(), use_template=["lr"],  # the numpy run's rate is code
                   rules=[Rule(r"layers\.1\.bias", "layers.1.bias", transform="a17_objects")])
     with pytest.raises(ConversionError, match=r"layers\.1\.bias.*a17_objects.*object"):
         out.save(NamedMpkBytesRecorder())
@@ -188,8 +188,10 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
         def read_optimizer(self, record, role, force):
             item = as_map(record.optimizer.item, f"{role}.optimizer")
             m, v = tensors_of(item["m"], f"{role}.optimizer.m"), tensors_of(item["v"], f"{role}.optimizer.v")
+            maths = {"b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "clip_norm": None, "clip_value": None}
             return NeutralOptimizer("adam", as_count(item["count"], f"{role}.optimizer.count"),
-                                    {p: {"first_moment": m[p], "second_moment": v[p]} for p in m})
+                                    {p: {"first_moment": m[p], "second_moment": v[p]} for p in m}, maths,
+                                    unknown={"lr": "the toy framework's rate is its caller's"})
 
         def read_schedule(self, record, role, problems):
             return []
@@ -222,11 +224,11 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
 
     src = toy_record(3, lambda s: np.abs(rng.normal(size=s)).astype(np.float32))
     torch_tpl = _torch_template()
-    out = convert(src, torch_tpl)
+    out = convert(src, torch_tpl, use_template=["lr"])
     tensors = dict(out.model.item["tensors"]) if "tensors" in out.model.item else out.model.item
     w = src.model.item["layers.0.W"].read()
     assert np.array_equal(tensors["layers.0.weight"].read(), w.T)
-    back = convert(out, toy_record(0, lambda s: np.zeros(s, np.float32)))
+    back = convert(out, toy_record(0, lambda s: np.zeros(s, np.float32)), use_template=["lr"])
     for k in shapes:
         assert np.array_equal(back.model.item[k].read(), src.model.item[k].read()), k
         for key in "mv":

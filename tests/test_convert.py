@@ -20,7 +20,7 @@ import trainrec  # noqa: E402
 import trainrec.adapters.jax as trj  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
 from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord  # noqa: E402
-from trainrec.convert import ConversionError, Rule, convert, load_rules  # noqa: E402
+from trainrec.convert import ConversionError, Rule, convert, convert_with_report, load_rules  # noqa: E402
 
 WINDOW, K, M = 2, 5, 7  # checkpoint after micro-step 5: one gradient pending
 
@@ -219,7 +219,7 @@ def test_user_rules_rename_and_transform(tmp_path):
     src = TorchRun("mlp-adamw")
     net = Renamed()
     variables = net.init(jax.random.PRNGKey(0), jnp.zeros((1, 5), jnp.int32))
-    tx = optax.adamw(1e-2)
+    tx = optax.adamw(1e-2, weight_decay=0.01)  # torch AdamW's maths
     template = TrainingRecord.capture(trj.JaxModule(variables), trj.JaxOptimizer(tx, tx.init(variables["params"])),
                                       None, GradientsAccumulator(), S(0))
     out = convert(src.record(0), template, rules=rules)
@@ -229,20 +229,28 @@ def test_user_rules_rename_and_transform(tmp_path):
         Rule("x", "y", "rotate")
 
 
-@pytest.mark.parametrize(("opt", "why"), [
-    (lambda p: torch.optim.Adam(p, amsgrad=True), "AMSGrad"),
-    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5), "dampening"),
-    (lambda p: torch.optim.Adam(p, maximize=True), "maximize"),
+@pytest.mark.parametrize(("opt", "tx", "field"), [
+    (lambda p: torch.optim.AdamW(p, lr=1e-2, amsgrad=True), None, "amsgrad"),
+    (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.5), lambda: optax.sgd(0.05, momentum=0.9),
+     "dampening"),
+    (lambda p: torch.optim.AdamW(p, lr=1e-2, maximize=True), None, "maximize"),
 ])
-def test_different_maths_are_refused_unless_forced(opt, why):
+def test_different_maths_are_refused_unless_the_template_value_is_asked_for(opt, tx, field):
+    """One field differs; `force=True` does not convert it, `use_template=[field]` does
+    (the template's value is used, and the report says so)."""
     src = TorchRun("mlp-adamw")
     src.opt = opt(src.model.parameters())
     x, y = batches("mlp-adamw")
     src.train(0, 2, x, y)
-    target = JaxRun("mlp-adamw").record(0)
-    with pytest.raises(ConversionError, match=why):
-        convert(src.record(2), target)
-    convert(src.record(2), target, force=True)
+    target = JaxRun("mlp-adamw", tx=tx and tx()).record(0)
+    for force in (False, True):
+        with pytest.raises(ConversionError, match=rf"maths differ.*:\n  {field}: the source's (True|0.5), the "
+                                                  "template's (False|0)\n") as refused:
+            convert(src.record(2), target, force=force)
+        assert refused.value.args[0].count("\n  ") == 1, refused.value  # that field only
+    out, report = convert_with_report(src.record(2), target, use_template=[field])
+    assert list(report.template_values) == [field] and "the template's" in report.template_values[field]
+    assert out.optimizer.item
 
 
 def test_torch_rng_state_is_refused_unless_dropped():
@@ -292,11 +300,16 @@ def test_cli_convert(tmp_path):
     same_framework = cli(pt, tmp_path / "x.mpk", "--to", "torch", "--template", pt)
     assert same_framework.returncode == 4 and "nothing to convert" in same_framework.stderr
     ams = TorchRun("mlp-adamw")
-    ams.opt = torch.optim.Adam(ams.model.parameters(), amsgrad=True)
+    ams.opt = torch.optim.AdamW(ams.model.parameters(), lr=1e-2, amsgrad=True)
     ams.train(0, 2, x, y)
     ams.record(2).save(trt.TorchFileRecorder(), tmp_path / "ams.pt")
     bad = cli(tmp_path / "ams.pt", tmp_path / "y.mpk", "--to", "jax", "--template", template)
-    assert bad.returncode == 4 and "AMSGrad" in bad.stderr and not (tmp_path / "y.mpk").exists()
+    assert bad.returncode == 4 and "amsgrad: the source's True, the template's False" in bad.stderr
+    assert "--use-template amsgrad" in bad.stderr and "use_template" not in bad.stderr
+    assert not (tmp_path / "y.mpk").exists()
+    asked = cli(tmp_path / "ams.pt", tmp_path / "y.mpk", "--to", "jax", "--template", template,
+                "--use-template", "amsgrad")
+    assert asked.returncode == 0 and "note: amsgrad: the template's value is used" in asked.stderr, asked.stderr
 
 
 def test_batchnorm_running_stats_and_scheduler_position_are_carried():
@@ -319,10 +332,13 @@ def test_batchnorm_running_stats_and_scheduler_position_are_carried():
             return fnn.BatchNorm(use_running_average=not train, name="bn")(fnn.Dense(4, name="fc")(x))
 
     variables = Net().init(jax.random.PRNGKey(0), jnp.ones((2, 3)))
-    tx = optax.adamw(0.1)
+    tx = optax.adamw(1.0, weight_decay=0.01)
     template = TrainingRecord.capture(trj.JaxModule(variables), trj.JaxOptimizer(tx, tx.init(variables["params"])),
                                       trj.JaxLrScheduler(optax.constant_schedule(0.1)), GradientsAccumulator(), S(0))
-    out = convert(record, template)
+    with pytest.raises(ConversionError, match="lr at position 3: the source's 0.01, the template's is unknown "
+                                              r"\(a JaxLrScheduler's rate is applied by the caller's code"):
+        convert(record, template)
+    out = convert(record, template, use_template=["lr"])  # the caller's code applies the scheduler's rate
     item = out.model.item
     np.testing.assert_array_equal(item["batch_stats.bn.mean"].array, model.bn.running_mean.numpy())
     np.testing.assert_array_equal(item["batch_stats.bn.var"].array, model.bn.running_var.numpy())
@@ -417,7 +433,10 @@ def test_jax_schedule_inside_optax_resumes_in_torch_at_its_position():
     expected = [float(SCHEDULE(n)) for n in range(position, (K + M) // WINDOW)]
     np.testing.assert_allclose([lrs[0] for lrs in dst.lrs], expected, rtol=1e-6)
     np.testing.assert_allclose(dst.losses, ref.losses[K:], rtol=1e-5)
-    forced = convert(source, scheduled_torch(seed=1).record(0), force=True)
+    with pytest.raises(ConversionError, match="lr at position 2: the source's 0.01, the template's is "
+                                              "unknown"):
+        convert(source, scheduled_torch(seed=1).record(0), force=True)  # force does not pass over the maths
+    forced = convert(source, scheduled_torch(seed=1).record(0), force=True, use_template=["lr"])
     assert forced.scheduler.item["last_epoch"] == position  # the position, the template's rate
 
 
@@ -508,7 +527,7 @@ def test_a_schedule_position_without_a_place_is_refused_unless_forced(first, sou
     src.train(0, K, x, y)
     with pytest.raises(ConversionError, match="schedule does not carry over"):
         convert(src.record(K), target)
-    convert(src.record(K), target, force=True)
+    convert(src.record(K), target, force=True, use_template=["lr"])
 
 
 def _damaged(record, component, edit):
@@ -657,7 +676,7 @@ def test_a_narrower_template_dtype_is_refused_unless_lossy_is_allowed(tmp_path):
     path = src.record(K).save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "s.mpk")
     tpath = template.save(trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings()), tmp_path / "t.mpk")
     no = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath)
-    assert no.returncode == 4 and "allow_lossy" in no.stderr and not (tmp_path / "d.mpk").exists()
+    assert no.returncode == 4 and "--allow-lossy" in no.stderr and not (tmp_path / "d.mpk").exists()
     yes = _cli_convert(path, tmp_path / "d.mpk", "--to", "jax", "--template", tpath, "--allow-lossy")
     assert yes.returncode == 0, yes.stderr
 
@@ -678,19 +697,21 @@ def test_a_torch_scheduler_stepped_per_epoch_is_refused_for_an_optax_schedule_co
     target = JaxRun("mlp-adamw", tx=tx).record(0)
     with pytest.raises(ConversionError, match=r"last_epoch = 2 but the optimizer took 4 steps"):
         convert(record, target)
-    forced = convert(record, target, force=True).optimizer.item
+    forced = convert(record, target, force=True, use_template=["lr"]).optimizer.item
     assert (int(forced["0.count"].array), int(forced["2.count"].array)) == (4, 2)
-    # a JaxLrScheduler counts what its caller steps: the position carries
+    # a JaxLrScheduler counts what its caller steps: the position carries (its rate is code)
     jax_sched = trj.JaxLrScheduler(optax.exponential_decay(1e-2, 1, 0.5, staircase=True), 0)
     run = JaxRun("mlp-adamw")
     template = TrainingRecord.capture(run.model, run.opt, jax_sched, run.acc, S(0))
-    assert convert(record, template).scheduler.item["count"] == 2
+    assert convert(record, template, use_template=["lr"]).scheduler.item["count"] == 2
 
 
 @pytest.mark.parametrize("opt", ["adam", "sgd"])
-def test_one_cycle_momentum_is_set_at_the_position(opt):
-    """JAX onecycle run -> torch OneCycleLR (cycle_momentum): beta1 (or SGD momentum) is the
-    one an uninterrupted torch run has there, not the template's."""
+def test_a_one_cycle_momentum_the_source_did_not_use_is_refused(opt):
+    """JAX onecycle run (beta1 or momentum 0.9 throughout) -> torch OneCycleLR with
+    cycle_momentum: at the position torch's schedule sets another beta1 (or momentum),
+    so the conversion is refused naming both; `use_template` takes torch's (computed at
+    the position as its get_lr does: an uninterrupted torch run's)."""
     x, y = batches("mlp-adamw")
     schedule = optax.cosine_onecycle_schedule(20, 0.01)
     tx = optax.adam(schedule) if opt == "adam" else optax.sgd(schedule, momentum=0.9)
@@ -711,13 +732,58 @@ def test_one_cycle_momentum_is_set_at_the_position(opt):
     native.opt = torch_opt(native.model.parameters())
     native.sched = one_cycle(native.opt)
     native.train(0, K + 3, x, y)
-    converted = convert(src.record(K + 3), dst.record(0), lr=native.opt.param_groups[0]["lr"])
+    key, field = ("betas", "b1") if opt == "adam" else ("momentum", "momentum")
+    momentum = native.opt.param_groups[0][key]
+    momentum = momentum[0] if opt == "adam" else momentum
+    rate = float(schedule(position))  # the source's rate at the position
+    with pytest.raises(ConversionError, match=rf"{field} at position {position}: the source's 0.9, the "
+                                              rf"template's {momentum:.10g}\n"):
+        convert(src.record(K + 3), dst.record(0), lr=rate)
+    # the rate torch's own OneCycleLR has there is another one (its phases end a step apart)
+    with pytest.raises(ConversionError, match=rf"lr at position {position}: lr= gives "):
+        convert(src.record(K + 3), dst.record(0), lr=native.opt.param_groups[0]["lr"], use_template=[field])
+    converted, report = convert_with_report(src.record(K + 3), dst.record(0), lr=rate, use_template=[field])
+    assert list(report.template_values) == [field]
     dst.restore(converted)
-    key = "betas" if opt == "adam" else "momentum"
     assert dst.sched.last_epoch == native.sched.last_epoch == position
     assert dst.opt.param_groups[0][key] == native.opt.param_groups[0][key]
-    assert dst.opt.param_groups[0][key] != one_cycle(torch_opt(nn.Linear(1, 1).parameters())).optimizer \
-        .param_groups[0][key]
+
+
+def test_a_torch_one_cycle_into_optax_one_cycle_is_refused_at_the_position():
+    """torch OneCycleLR(max_lr=1e-2, total_steps=6) into optax.cosine_onecycle_schedule(6,
+    1e-2): at the position torch's rate and beta1 are 0.008117 and 0.8688, optax's would
+    be 0.009045 and 0.9 (6.8e-2 off in the parameters, measured). Refused naming both."""
+    x, y = batches("mlp-adamw")
+    src = TorchRun("mlp-adamw")
+    src.opt = torch.optim.AdamW(src.model.parameters(), lr=1e-2, weight_decay=0.01)
+    src.sched = torch.optim.lr_scheduler.OneCycleLR(src.opt, max_lr=1e-2, total_steps=6)
+    src.train(0, 5, x, y)  # 2 updates, one gradient pending
+    target = JaxRun("mlp-adamw", tx=optax.adamw(optax.cosine_onecycle_schedule(6, 1e-2), weight_decay=0.01))
+    with pytest.raises(ConversionError) as refused:
+        convert(src.record(5), target.record(0))
+    text = str(refused.value)
+    assert "lr at position 2: the source's 0.008117" in text and "the template's 0.009045" in text, text
+    assert "b1 at position 2: the source's 0.8688" in text and "the template's 0.9\n" in text, text
+
+
+def test_schedules_that_agree_at_the_position_convert_and_those_that_do_not_are_refused():
+    """LambdaLR linear warm-up into optax.linear_schedule: the rates agree (converts); a
+    CosineAnnealingLR into that warm-up does not (refused naming both rates)."""
+    x, y = batches("mlp-adamw")
+    warmup = optax.linear_schedule(0.0, PEAK, 4)
+    tx = optax.adamw(warmup, weight_decay=0.01)
+    for scheduler, agrees in [(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda n: min(n / 4, 1.0)), True),
+                              (lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 3), False)]:
+        src = TorchRun("mlp-adamw", scheduler=scheduler)
+        src.train(0, K, x, y)
+        target = JaxRun("mlp-adamw", tx=tx).record(0)
+        if agrees:
+            out = convert(src.record(K), target)
+            assert int(out.optimizer.item["2.count"].array) == K // WINDOW
+        else:
+            with pytest.raises(ConversionError, match=r"lr at position 2: the source's 0.0025, the template's "
+                                                      r"0.005\n"):
+                convert(src.record(K), target)
 
 
 def test_a_learning_rate_held_by_inject_hyperparams_is_carried_both_ways():
@@ -742,8 +808,10 @@ def test_a_learning_rate_held_by_inject_hyperparams_is_carried_both_ways():
     dst.restore(convert(jax_src.record(K), dst.record(0)))
     assert dst.opt.param_groups[0]["lr"] == float(np.float32(1e-4))
     given = TorchRun("mlp-adamw")
-    given.restore(convert(jax_src.record(K), given.record(0), lr=3e-4))
-    assert given.opt.param_groups[0]["lr"] == 3e-4  # an explicit lr= wins
+    with pytest.raises(ConversionError, match=r"lr= gives 0.0003, the source's is 9.99999974\d*e-05"):
+        convert(jax_src.record(K), given.record(0), lr=3e-4)  # lr= is for a rate the source cannot give
+    given.restore(convert(jax_src.record(K), given.record(0), lr=1e-4))  # float32's 1e-4 agrees
+    assert given.opt.param_groups[0]["lr"] == 1e-4
 
 
 OTHER_OPTAX = {

@@ -183,8 +183,7 @@ def _jax():
         def __call__(self, x):
             return self.layers[1](fnn.relu(self.layers[0](x)))
 
-    def schedule(count):
-        return optax.warmup_cosine_decay_schedule(0.0, PEAK, WARM, TOTAL)(count)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, PEAK, WARM, TOTAL)  # the record holds its constants
 
     class JaxRun:
         def __init__(self, opt="adamw", seed=1):
@@ -236,8 +235,7 @@ def _native(kind):
 
     import trainrec.adapters.jax as trj
 
-    def schedule(count):
-        return optax.warmup_cosine_decay_schedule(0.0, PEAK, WARM, TOTAL)(count)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, PEAK, WARM, TOTAL)  # the record holds its constants
 
     def make_tx(opt):
         return {"adamw": lambda: optax.adamw(schedule, eps=1e-8, weight_decay=1e-2),
@@ -355,15 +353,16 @@ def test_numpy_run_continues_in_torch_and_jax_and_back(other, opt):
             np.testing.assert_allclose(v, ref.model.params[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_numpy_optimizer_maths_without_a_counterpart_are_refused_unless_forced():
+def test_numpy_optimizer_maths_without_a_counterpart_are_refused_unless_the_template_value_is_asked_for():
     jax_run = _jax()
     x, y = batches()
     src = NumpyRun("sgd")
     src.opt = SGD(momentum=0.9, dampening=0.5)
     src.train(0, K, x, y)
-    with pytest.raises(ConversionError, match="dampening"):
-        convert(src.record(K), jax_run("sgd").record(0))
-    convert(src.record(K), jax_run("sgd").record(0), force=True)
+    for force in (False, True):
+        with pytest.raises(ConversionError, match="dampening: the source's 0.5, the template's 0"):
+            convert(src.record(K), jax_run("sgd").record(0), force=force)
+    convert(src.record(K), jax_run("sgd").record(0), use_template=["dampening"], force=True)  # SGD: no step count
     adamw = NumpyRun("adamw")
     adamw.train(0, K, x, y)
     with pytest.raises(ConversionError, match="source optimizer keeps adam state"):
@@ -511,13 +510,16 @@ def test_third_party_arraystrict_run_continues_in_torch_and_jax_and_back(other):
     dst = other_run()
     position = K // WINDOW
     rate = lr * gamma ** (position // every)  # the schedule is code: a torch target is told its rate
-    converted = convert(record, dst.record(0), lr=rate) if other == "torch" else convert(record, dst.record(0))
+    # its rate is not in its record: a torch target is told it (unchecked), a JAX one applies
+    # a JaxLrScheduler's rate in the caller's code, which nothing can check
+    converted = convert(record, dst.record(0), lr=rate) if other == "torch" else \
+        convert(record, dst.record(0), use_template=["lr"])
     dst.restore(via_file(converted))
     middle = K + 3
     dst.train(K, middle, x, y)
     np.testing.assert_allclose(dst.losses, ref.losses[K:middle], rtol=1e-5)
     back = strict_run(seed=2)
-    back.restore(via_file(convert(via_file(dst.record(middle)), back.record(0))))
+    back.restore(via_file(convert(via_file(dst.record(middle)), back.record(0), use_template=["lr"])))
     back.train(middle, K + M, x, y)
     np.testing.assert_allclose(back.losses, ref.losses[middle:], rtol=1e-5)
     for k, v in ref.model.params.items():
@@ -541,7 +543,7 @@ def test_an_sgd_without_a_step_count_into_a_schedule_counting_updates_is_refused
     template = TrainingRecord.capture(dst.model, dst.opt, None, dst.acc, S(0))
     with pytest.raises(ConversionError, match="keeps no step count"):
         convert(src.record(K), template)
-    forced = convert(src.record(K), template, force=True).optimizer.item
+    forced = convert(src.record(K), template, force=True, use_template=["lr"]).optimizer.item
     assert [int(v.array) for k, v in forced.items() if k.endswith("count")] == [K // WINDOW]
 
 
@@ -550,15 +552,15 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
     its sources; where one of them has none, the conversion says which."""
     strict = pytest.importorskip("trainrec_arraystrict")
     from trainrec import convert as conversion
-    from trainrec.rules import Plan
+    from trainrec.rules import Plan, RulesResult
 
     def plans(rules, source, target, *, frameworks=None, strict=True):
         if not rules:
-            return {}, []
-        return {"w": Plan("w", ("layers.0.weight", "layers.0.bias"), (5, 3), lambda a: a[0].T, "packed"),
-                "b": Plan("b", ("layers.0.bias",), (3,), lambda a: a[0], "bias")}, []
+            return RulesResult()
+        return RulesResult({"w": Plan("w", ("layers.0.weight", "layers.0.bias"), (5, 3), lambda a: a[0].T, "packed"),
+                            "b": Plan("b", ("layers.0.bias",), (3,), lambda a: a[0], "bias")})
 
-    monkeypatch.setattr(conversion, "plan_rules", plans)
+    monkeypatch.setattr(conversion, "apply_rules", plans)
     run = NumpyRun("sgd")
     run.model, run.opt, run.sched = MLP((5, 3)), SGD(momentum=0.9), StepLr(0.05, 2)
     x, y = batches(5, 3)
@@ -567,14 +569,14 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
     template = TrainingRecord.capture(strict.Linear(5, 3), strict.SGD(0.9), strict.StepSchedule(0.05, 2, 0.5),
                                       GradientsAccumulator(), S(0))
     rules = [conversion.Rule("unused", "unused")]
-    out = convert(record, template, rules=rules)
+    out = convert(record, template, rules=rules, use_template=["lr"])  # its rate is not in its record
     np.testing.assert_array_equal(out.optimizer.item["buffers"]["w"].array,
                                   run.opt.state["layers.0.weight"]["momentum_buffer"].T)
     np.testing.assert_array_equal(out.grads.grads["w"].array, record.grads.grads["layers.0.weight"].array.T)
     del run.opt.state["layers.0.bias"]
     with pytest.raises(ConversionError, match=r"w is made from \['layers.0.weight', 'layers.0.bias'\], "
                                               r"and \['layers.0.bias'\] have no momentum"):
-        convert(run.record(K), template, rules=rules)
+        convert(run.record(K), template, rules=rules, use_template=["lr"])
 
 
 def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):

@@ -134,7 +134,7 @@ def test_converting_torch_to_jax_needs_neither_framework(tmp_path):
     acc = trainrec.GradientsAccumulator()
     source = trainrec.TrainingRecord.capture(model, opt, None, acc, Step(1))
     params = {"params": {"kernel": jax.numpy.zeros((3, 2)), "bias": jax.numpy.zeros((2,))}}
-    tx = optax.adamw(0.1)
+    tx = optax.adamw(0.1, weight_decay=0.01)  # torch AdamW's maths
     template = trainrec.TrainingRecord.capture(trj.JaxModule(params), trj.JaxOptimizer(tx, tx.init(params["params"])),
                                                None, trainrec.GradientsAccumulator(), Step(0))
     native = trainrec.NativePrecisionSettings()

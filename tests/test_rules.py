@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+import trainrec
 from trainrec.rules import (
     PRESETS,
     TRANSFORMS,
@@ -354,7 +355,7 @@ def test_cli_rules_files_repeat_and_map_is_a_deprecated_alias(tmp_path):
         native, tmp_path / "src.mpk")
     variables = fnn.Dense(2, name="dense").init(jax.random.PRNGKey(0), np.zeros((1, 3), np.float32))
     variables = {"params": {"dense": variables["params"]}}
-    tx = optax.adamw(1e-3)
+    tx = optax.adamw(1e-3, weight_decay=0.01)  # torch AdamW's maths
     trainrec.TrainingRecord.capture(trj.JaxModule(variables), trj.JaxOptimizer(tx, tx.init(variables["params"])),
                                     None, trainrec.GradientsAccumulator(), S(0)).save(native, tmp_path / "t.mpk")
     weight = rules_file(tmp_path, {"match": r"fc\.weight", "replace": "params.dense.kernel",
@@ -489,3 +490,206 @@ def test_attention_presets_leave_other_layers_to_the_next_rules():
                                  {"out.weight": (3, 4), "out.bias": (3,)}, frameworks=("jax", "torch"),
                                  strict=False)
     assert (plans, problems) == ({}, [])
+
+
+# -- rules say what they did (issue 23) -------------------------------------------------------
+
+
+def test_indices_write_list_indices_each_sides_way(tmp_path):
+    from trainrec.rules import _reindexed
+
+    assert _reindexed("blocks.0.attn.", "flax") == "blocks_0.attn."
+    assert _reindexed("enc.layers.11.0.", "flax") == "enc.layers_11_0."
+    assert _reindexed("0.attn.", "flax") == "0.attn."  # an index at the root has no name to carry it
+    assert _reindexed("blocks_0.attn.", "dotted") == "blocks.0.attn."
+    rule = one(tmp_path, {"match": r"(?P<m>.+\.)w", "indices": {"m": "flax"}, "replace": r"params.\g<m>k"})
+    plans, problems = plan_rules([rule], {"blocks.3.w": (1,), "layer_1.w": (1,)},
+                                 {"params.blocks_3.k": (1,), "params.layer_1.k": (1,)})
+    assert problems == [] and {p.target: p.sources for p in plans.values()} == {
+        "params.blocks_3.k": ("blocks.3.w",), "params.layer_1.k": ("layer_1.w",)}
+    back = one(tmp_path, {"match": r"params\.(?P<m>.+\.)k", "indices": {"m": "dotted"}, "replace": r"\g<m>w"})
+    plans, problems = plan_rules([back], {"params.blocks_3.k": (1,), "params.layer_1.k": (1,)},
+                                 {"blocks.3.w": (1,), "layer_1.w": (1,)})  # layer_1 is torch's own name too
+    assert problems == [] and set(plans) == {"blocks.3.w", "layer_1.w"}
+
+
+@pytest.mark.parametrize(("rule", "named"), [
+    ({"match": "(?P<m>a)", "replace": "b", "indices": {"m": "linen"}}, "indices['m']: 'linen' is not one of"),
+    ({"match": "a", "replace": "b", "indices": {"m": "flax"}}, "indices['m']: no such group"),
+    ({"match": "a", "replace": "b", "optional": "yes"}, "'optional' must be true or false"),
+    ({"drop": "a", "replace": "b"}, "unknown key 'replace' (a drop rule holds 'drop'"),
+    ({"keep": 3}, "'keep' must be a string"),
+    ({"drop": "("}, "match '(' is not a regular expression"),
+    ({"match": "a", "replace": "b", "to": "jaxx"}, "'to': 'jaxx' names no neutral form; known: ["),
+    ({"match": "a", "replace": "b", "from": "tf"}, "'from': 'tf' names no neutral form"),
+])
+def test_bad_new_rule_keys_are_refused(tmp_path, rule, named):
+    with pytest.raises(ValueError) as refused:
+        load_rules(rules_file(tmp_path, rule))
+    assert named in str(refused.value), str(refused.value)
+
+
+def test_an_adapters_name_is_an_alias_of_its_form(tmp_path):
+    """`"to": "flax"` (an adapter's name, as spec/CONVERSION.md allows) is the linen form
+    `jax`: it applies (it used to load and never apply); `numpy` is `trainrec.numpy`."""
+    (rule,) = load_rules(rules_file(tmp_path, {"match": "w", "replace": "k", "from": "pytorch", "to": "flax"}))
+    assert (rule.from_, rule.to) == ("torch", "jax")
+    assert list(plan_rules([rule], {"w": (1,)}, {"k": (1,)}, frameworks=("torch", "jax"))[0]) == ["k"]
+    (rule,) = load_rules(rules_file(tmp_path, {"match": "w", "replace": "k", "to": "numpy"}))
+    assert rule.to == "trainrec.numpy"
+    with pytest.raises(ValueError, match="'to': 'jaxx' names no neutral form; known: .*'flax.nnx', 'jax'"):
+        load_rules(rules_file(tmp_path, {"match": "w", "replace": "k", "to": "jaxx"}))
+
+
+def _tied(torch, buffer=True):
+    """torch: an embedding, a head tied to it (stored once), a constant buffer."""
+    net = torch.nn.Module()
+    net.tok, net.head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+    net.head.weight = net.tok.weight
+    if buffer:
+        net.register_buffer("causal_mask", torch.ones(4, 4))
+    return net
+
+
+@trainrec.record
+class _S:
+    micro: int
+
+
+def _records(buffer=True, seed=0):
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    fnn = pytest.importorskip("flax.linen")
+    import trainrec.adapters.jax as trj
+
+    torch.manual_seed(seed)
+    net = _tied(torch, buffer)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    torch_record = trainrec.TrainingRecord.capture(net, opt, None, trainrec.GradientsAccumulator(), _S(0))
+
+    class Untied(fnn.Module):  # the flax model keeps its own head
+        @fnn.compact
+        def __call__(self, tok):
+            return fnn.Dense(5, use_bias=False, name="head")(fnn.Embed(5, 3, name="tok")(tok))
+
+    variables = Untied().init(jax.random.PRNGKey(seed), np.zeros((1, 2), np.int32))
+    tx = optax.adamw(1e-2, weight_decay=0.01)
+    flax_record = trainrec.TrainingRecord.capture(trj.JaxModule(variables),
+                                                  trj.JaxOptimizer(tx, tx.init(variables["params"])), None,
+                                                  trainrec.GradientsAccumulator(), _S(0))
+    return torch_record, flax_record
+
+
+def test_drop_and_keep_rules_say_what_is_not_converted(tmp_path):
+    """A constant buffer the other side lacks, and a tied torch head into an untied flax
+    head: refused naming both (each with the rule kind that says it), then converted with
+    a drop and a keep rule, both listed in the report. And the way back."""
+    from trainrec.convert import ConversionError, convert, convert_with_report
+
+    torch_record, flax_record = _records()
+    with pytest.raises(ConversionError) as refused:
+        convert(torch_record, flax_record)
+    text = str(refused.value)
+    assert 'causal_mask: no target among its neutral names (none) (a {"drop": ...} rule drops it)' in text
+    assert 'target params.head.kernel: no source tensor maps to it (a {"keep": ...} rule keeps' in text
+    rules = load_rules(rules_file(tmp_path, {"drop": r"causal_mask"}, {"keep": r"params\.head\.kernel"}))
+    out, report = convert_with_report(torch_record, flax_record, rules=rules)
+    assert report.dropped == {"causal_mask": f"{tmp_path / 'r.json'}: rules[0] (drop)"}
+    assert report.kept == {"params.head.kernel": f"{tmp_path / 'r.json'}: rules[1] (keep)"}
+    assert np.array_equal(out.model.item["params.head.kernel"].array, flax_record.model.item["params.head.kernel"].array)
+    assert any(line.startswith(f"{tmp_path / 'r.json'}: rules[0] (drop): dropped causal_mask") for line in report.rules)
+    back_rules = load_rules(rules_file(tmp_path, {"drop": r"params\.head\.kernel"}, {"keep": "causal_mask"},
+                                       name="back.json"))
+    back, report = convert_with_report(out, torch_record, rules=back_rules)
+    assert set(report.dropped) == {"params.head.kernel"} and set(report.kept) == {"causal_mask"}
+    assert np.array_equal(back.model.item["tensors"]["tok.weight"].array,
+                          torch_record.model.item["tensors"]["tok.weight"].array)
+
+
+def test_a_rule_that_decides_no_tensor_is_refused_unless_optional(tmp_path):
+    from trainrec.convert import ConversionError, convert
+
+    torch_record, flax_record = _records()
+    base = [{"drop": "causal_mask"}, {"keep": r"params\.head\.kernel"}]
+    nothing = load_rules(rules_file(tmp_path, *base, {"match": r"encoder\..*", "replace": "params.x"}))
+    with pytest.raises(ConversionError, match=r"rules\[2\] decided no tensor: it matches no source tensor"):
+        convert(torch_record, flax_record, rules=nothing)
+    optional = load_rules(rules_file(tmp_path, *base, {"match": r"encoder\..*", "replace": "params.x",
+                                                      "optional": True}))
+    convert(torch_record, flax_record, rules=optional)
+    shadowed = load_rules(rules_file(tmp_path, *base, {"drop": "causal_.*"}))
+    with pytest.raises(ConversionError, match=r"rules\[2\] \(drop\) decided no tensor: it matches causal_mask, "
+                                              "which earlier rules decided"):
+        convert(torch_record, flax_record, rules=shadowed)
+    kept = load_rules(rules_file(tmp_path, *base, {"keep": r"params\.tok\.embedding"}, {"drop": r"tok\.weight"}))
+    out = convert(torch_record, flax_record, rules=kept)  # the template's embedding, as asked
+    assert np.array_equal(out.model.item["params.tok.embedding"].array,
+                          flax_record.model.item["params.tok.embedding"].array)
+    with pytest.raises(ConversionError, match=r"params\.tok\.embedding: made by .*rules\[0\] .* and kept by"):
+        convert(torch_record, flax_record, rules=load_rules(rules_file(
+            tmp_path, {"match": r"tok\.weight", "replace": "params.tok.embedding"}, *base,
+            {"keep": r"params\.tok\.embedding"})))
+    with pytest.raises(ValueError, match="'to': 'jaxx' names no neutral form"):
+        convert(torch_record, flax_record, rules=[Rule("w", "k", to="jaxx")])
+
+
+def test_an_unmapped_tensor_says_which_rules_were_not_tried(tmp_path):
+    from trainrec.convert import ConversionError, convert
+
+    torch_record, flax_record = _records()
+    rules = load_rules(rules_file(tmp_path, {"drop": "causal_mask", "to": "flax.nnx"}))
+    with pytest.raises(ConversionError, match=r"1 of the rules given are not for torch -> jax and were not tried: "
+                                              r".*rules\[0\] \(drop\) \(from any, to flax.nnx\)"):
+        convert(torch_record, flax_record, rules=rules)
+
+
+def test_cli_explain_lists_what_each_rule_did(tmp_path):
+    torch_record, flax_record = _records()
+    native = trainrec.NamedMpkFileRecorder(trainrec.NativePrecisionSettings())
+    torch_record.save(native, tmp_path / "s.mpk")
+    flax_record.save(native, tmp_path / "t.mpk")
+    rules = rules_file(tmp_path, {"drop": r"causal_mask"}, {"keep": r"params\.head\.kernel"},
+                       {"match": "nothing", "replace": "x", "optional": True},
+                       {"match": "w", "replace": "x", "from": "jax"})
+    done = subprocess.run([sys.executable, "-m", "trainrec", "convert", str(tmp_path / "s.mpk"),
+                           str(tmp_path / "d.mpk"), "--to", "jax", "--template", str(tmp_path / "t.mpk"),
+                           "--rules", str(rules), "--explain"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == "torch -> jax"
+    assert f"rule {rules}: rules[0] (drop): dropped causal_mask" in out
+    assert f"rule {rules}: rules[1] (keep): kept params.head.kernel" in out
+    assert f"rule {rules}: rules[2]: decided no tensor (optional)" in out
+    assert f"rule {rules}: rules[3]: not for torch -> jax (from jax, to any)" in out
+    assert "params.tok.embedding <- tok.weight: neutral names" in out
+    assert f"dropped causal_mask: {rules}: rules[0] (drop)" in out
+    assert "state: untyped (neither record has a state type)" in out  # files hold no Python types
+
+
+def test_the_readmes_rules_file_loads_and_does_what_it_says():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"^```json\n(.*?)^```", text, re.M | re.S) if '"rules"' in b]
+    assert blocks
+    rules = [r for b in blocks for r in load_rules_text(b)]
+    source = {"blocks.1.attn.q_proj.weight": (4, 4), "blocks.0.attn.in_proj_weight": (12, 4),
+              "blocks.0.causal_mask": (5, 5)}
+    target = {"params.blocks_1.attn.query.kernel": (4, 2, 2), **{
+        f"params.blocks_0.attn.{p}.kernel": (4, 2, 2) for p in ("query", "key", "value")}}
+    from trainrec.rules import apply_rules
+
+    done = apply_rules(rules, source, target)
+    assert done.problems == [] and set(done.plans) == set(target) and set(done.dropped) == {"blocks.0.causal_mask"}
+
+
+def load_rules_text(text):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "readme.json"
+        path.write_text(text)
+        return load_rules(path)

@@ -27,7 +27,12 @@ rss + trace) is a `ConversionError` naming the transforms and state found, as is
 without `#transforms` (captured before it was kept), unless forced. A learning rate that
 `optax.inject_hyperparams` keeps as data (`hyperparams.learning_rate`) is the rate held
 as data: a JAX target that injects one gets the source's (refused, unless forced, where
-the source holds none or several).
+the source holds none or several). The update's maths (`trainrec.convert.MATHS`) are read
+from the record's `#identity` by `optax_maths`: betas and eps, momentum and nesterov,
+`add_decayed_weights` before the algorithm (L2) or after it (decoupled), clipping before
+it, and the rate at the schedule's count, computed from the recorded constants of optax's
+built-in schedules; a `JaxLrScheduler`'s rate (applied by the caller's code) and a schedule
+function of the caller's are unknown.
 
 Schedules: a JaxLrScheduler's `count` (stepped by the caller) or, without one, the counts
 of schedules inside the optax state (e.g. `optax.adamw(warmup_cosine_decay_schedule(...))`),
@@ -62,6 +67,8 @@ from trainrec.adapter_kit import (
     out_in_weight,
     tensors_of,
 )
+
+from .optax_maths import optax_maths
 
 __all__ = ["FORM", "NNX_FORM", "EQX_FORM", "JaxForm", "NnxForm", "EqxForm", "TRANSFORMS_KEY"]
 
@@ -160,6 +167,12 @@ def _jax_algo(leaves: dict[str, Item], role: str, force: bool) -> str:
     return algo
 
 
+def _schedule_count(leaves: dict[str, Item]) -> int:
+    """The position of the schedules inside an optax state: their counts' (the largest)."""
+    counts = [as_count(leaves[k], f"optimizer.{k}") for k in _counts(leaves)[1]]
+    return max(counts, default=0)
+
+
 def _flax_paths(path: str) -> list[str]:
     """`path`, and where flax named a list's modules `name_i`, the same path as `name.i`."""
     alt = ".".join(re.sub(r"^(.+)_(\d+)$", r"\1.\2", part) for part in path.split(".")) if path else path
@@ -244,17 +257,20 @@ class JaxForm:
         count_key = f"{mu_prefix}.count" if mu_prefix is not None and f"{mu_prefix}.count" in leaves else (
             counts[0] if counts else None)
         step = 0 if count_key is None else as_count(leaves[count_key], f"{role}.optimizer.{count_key}")
-        settings: dict[str, Item] = {"maximize": False}
-        if algo == "adam":
-            settings["amsgrad"] = False
-        elif algo == "sgd":
-            settings["dampening"] = 0.0
-            names = leaves.get(TRANSFORMS_KEY)
-            traces = [n for n in names if isinstance(n, str) and n.startswith("trace(")] if isinstance(
-                names, list) else []
-            if traces:
-                settings["nesterov"] = "nesterov=True" in traces[0]
-        return NeutralOptimizer(algo, step, moments, settings, _injected_rate(leaves, role))
+        settings, unknown, tolerance = self._maths(record, leaves, algo, _schedule_count(leaves), step)
+        return NeutralOptimizer(algo, step, moments, settings, _injected_rate(leaves, role), unknown=unknown,
+                                tolerance=tolerance)
+
+    def _maths(self, record: TrainingRecord[Any], leaves: dict[str, Item], algo: str, position: int,
+               step: int) -> tuple[dict[str, Item], dict[str, str], dict[str, float]]:
+        """The update's `MATHS` at `position` (`optax_maths`); a rate a `JaxLrScheduler`
+        gives is applied by the caller's code, which the record does not hold."""
+        settings, unknown, tolerance = optax_maths(leaves, algo, position, step)
+        if record.scheduler is not None and record.scheduler.kind == "optax.schedule":
+            settings.pop("lr", None)
+            unknown["lr"] = ("a JaxLrScheduler's rate is applied by the caller's code, which the record does "
+                             "not hold")
+        return settings, unknown, tolerance
 
     def read_schedule(self, record: TrainingRecord[Any], role: str, problems: list[str]) -> list[ScheduleCount]:
         sched = record.scheduler
@@ -312,6 +328,14 @@ class JaxForm:
             if "count" in item:
                 item["count"] = state.position
             scheduler = StateRecord(scheduler.kind, item)
+        algo = _jax_algo(leaves, "template", True)  # read_optimizer refused it unless forced
+        values, unknown, tolerance = self._maths(template, leaves, algo, state.position, state.step)
+        if rate is not None:
+            values["lr"] = rate
+            unknown.pop("lr", None)
+        state.values.update(values)
+        state.unknown.update(unknown)
+        state.tolerance.update(tolerance)
         return self._optax_item(out, as_map(template.optimizer.item, "template.optimizer"), state), scheduler
 
 

@@ -2,9 +2,10 @@
 
 Parameters: the `MLP`'s `layers.{i}.weight` ([out, in]: `dense.kernel` of module
 `layers.{i}`, transposed) and `layers.{i}.bias` (`bias`). Optimizers: `SGD` (its
-`momentum_buffer` is the neutral `momentum`; no step count; `nesterov` and `dampening`
-compared), `Adam` / `AdamW` (`exp_avg`, `exp_avg_sq`, per-parameter `step`s, which must
-agree). Schedulers: the position is `count`, stepped by the caller; the rate at it, for
+`momentum_buffer` is the neutral `momentum`; no step count), `Adam` / `AdamW` (`exp_avg`,
+`exp_avg_sq`, per-parameter `step`s, which must agree); their `hyper` gives the update's
+`MATHS` (torch's formulas: L2 weight decay for SGD and Adam, decoupled for AdamW; no
+clipping), the scheduler the rate at its count. Schedulers: the position is `count`, stepped by the caller; the rate at it, for
 the next step, is held as data where the schedule is one of this adapter's (its
 configuration is in the record), so a target that keeps the rate (torch) needs no `lr=`.
 A `ConstantLr` has no position that matters. The learning rate of a numpy target comes
@@ -35,6 +36,29 @@ __all__ = ["FORM", "NumpyForm"]
 
 _ALGORITHMS = {"trainrec.numpy.SGD": "sgd", "trainrec.numpy.Adam": "adam", "trainrec.numpy.AdamW": "adam"}
 _MOMENTS = {"momentum_buffer": "momentum", "exp_avg": "first_moment", "exp_avg_sq": "second_moment"}
+
+
+_NO_RATE = "the rate comes from a scheduler that is not one of this adapter's (or none: the caller's code)"
+
+
+def _maths(kind: str, algo: str, hyper: dict[str, Item]) -> dict[str, Item]:
+    """The update's `MATHS` (`trainrec.convert`) but the rate: torch's formulas (L2 weight
+    decay for SGD and Adam, decoupled for AdamW), no clipping."""
+    def number(key: str, default: float) -> Item:
+        value = hyper.get(key, default)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+    if not algo:
+        return {}
+    out: dict[str, Item] = {"maximize": False, "clip_norm": None, "clip_value": None,
+                            "weight_decay": number("weight_decay", 0.0)}
+    if algo == "sgd":
+        out.update(momentum=number("momentum", 0.0), nesterov=bool(hyper.get("nesterov", False)),
+                   dampening=number("dampening", 0.0), decoupled_weight_decay=False)
+    else:
+        out.update(b1=number("beta1", 0.9), b2=number("beta2", 0.999), eps=number("eps", 1e-8), amsgrad=False,
+                   decoupled_weight_decay=kind == "trainrec.numpy.AdamW")
+    return out
 
 
 def _rate_at(scheduler: StateRecord, count: int) -> float | None:
@@ -84,11 +108,7 @@ class NumpyForm:
         state = as_map(item.get("state"), f"{role}.optimizer.state")
         algo = _ALGORITHMS.get(opt.kind, "")
         problems = [] if algo else [f"optimizer {opt.kind} has no neutral form here"]
-        settings: dict[str, Item] = {"maximize": False}
-        if algo == "sgd":
-            settings.update(nesterov=hyper.get("nesterov", False), dampening=hyper.get("dampening", 0.0))
-        elif algo == "adam":
-            settings["amsgrad"] = False
+        settings = _maths(opt.kind, algo, hyper)
         steps = set()
         moments: dict[str, dict[str, TensorData]] = {}
         for pid, value in state.items():
@@ -108,8 +128,13 @@ class NumpyForm:
         sched = record.scheduler
         if sched is not None and isinstance(sched.item, dict) and "count" in sched.item:
             lr = _rate_at(sched, as_count(sched.item["count"], f"{role}.scheduler.count"))
+        unknown = {}
+        if lr is None:
+            unknown["lr"] = _NO_RATE
+        else:
+            settings["lr"] = lr
         step_count = max(steps) if steps else (None if algo == "sgd" else 0)
-        return NeutralOptimizer(algo, step_count, moments, settings, lr, problems)
+        return NeutralOptimizer(algo, step_count, moments, settings, lr, problems, unknown)
 
     def read_schedule(self, record: TrainingRecord[Any], role: str, problems: list[str]) -> list[ScheduleCount]:
         sched = record.scheduler
@@ -143,6 +168,11 @@ class NumpyForm:
             sched_item = dict(as_map(scheduler.item, "template.scheduler"))
             sched_item["count"] = state.position
             scheduler = StateRecord(scheduler.kind, sched_item)
+        rate = None if scheduler is None else _rate_at(scheduler, state.position)
+        if rate is None:
+            state.unknown["lr"] = _NO_RATE
+        else:
+            state.values["lr"] = rate
         return {"hyper": dict(hyper), "state": out}, scheduler
 
 

@@ -17,19 +17,23 @@ one; the running values are copied as they are. LayerNorm eps: torch 1e-5, flax 
 
 Optimizers: `SGD` (its `momentum_buffer` is the neutral `momentum`; no step count),
 `Adam` / `AdamW` (`exp_avg`, `exp_avg_sq`, `step`: first and second moments, the step).
-Their settings (`nesterov`, `dampening`, `amsgrad`, `maximize`) are compared with the
-other side's. Refused (unless forced): another optimizer, per-parameter step counts that
-disagree, complex parameters, gradients held in `.grad` (native accumulation). The one
-`lr` of the param groups is the rate held as data.
+Their maths (`trainrec.convert.MATHS`) are the param groups' values now, those of the next
+update: `lr`, `betas`, `eps`, `momentum`, `nesterov`, `dampening`, `amsgrad`, `maximize`,
+`weight_decay` (L2 added to the gradient for SGD and Adam, decoupled for AdamW or
+`decoupled_weight_decay=True`), per group where the groups differ; no clipping (torch's
+optimizers clip nothing). Refused (unless forced): another optimizer, per-parameter step
+counts that disagree, complex parameters, gradients held in `.grad` (native accumulation).
+The one `lr` of the param groups is the rate held as data.
 
 Schedulers: the position is `last_epoch` (stepped by the caller, so it may differ from
 the optimizer's step: a scheduler stepped per epoch, or with an offset). Schedulers that
 keep more than `last_epoch` (SequentialLR, ChainedScheduler, CosineAnnealingWarmRestarts,
 ReduceLROnPlateau) are refused. A torch target keeps the rate at the position (every
 group's `lr`, the scheduler's `_last_lr`), which no record gives where the schedule moves
-(it is code): `convert(lr=...)`, or a rate the source holds as data. A OneCycleLR target
-with `cycle_momentum` also gets the momentum (or Adam's beta1) it sets at the position,
-computed from its state as its `get_lr` does.
+(it is code): `convert(lr=...)`, or a rate the source holds as data; without either, the
+rate at the position is unknown. A OneCycleLR target with `cycle_momentum` sets the
+momentum (or Adam's beta1) at the position, computed from its state as its `get_lr` does,
+which the engine compares with the source's (a CyclicLR's cycled one is unknown).
 """
 
 from __future__ import annotations
@@ -65,13 +69,52 @@ __all__ = ["FORM", "TorchForm"]
 POSITIONAL = frozenset(f"torch.optim.lr_scheduler.{name}" for name in (
     "LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
     "PolynomialLR", "CosineAnnealingLR", "OneCycleLR", "CyclicLR"))
-_SETTINGS = {"sgd": ("nesterov", "dampening", "maximize"), "adam": ("amsgrad", "maximize")}
 _MOMENTS = {"momentum_buffer": "momentum", "exp_avg": "first_moment", "exp_avg_sq": "second_moment"}
 
 
 def _algorithm(kind: str) -> str:
     k = kind.lower()
     return "sgd" if k.endswith(".sgd") else "adam" if k.endswith((".adam", ".adamw")) else ""
+
+
+def _collapsed(values: list[Item]) -> Item:
+    """One value for every param group, or the list of them where they differ."""
+    return values[0] if all(v == values[0] for v in values) else values
+
+
+def _maths(kind: str, algo: str, groups: list[dict[str, Item]]) -> dict[str, Item]:
+    """The update's `MATHS` (`trainrec.convert`), as the param groups hold them now: the
+    values of the next update (a scheduler sets `lr`, and `momentum` or `betas` where it
+    cycles them); per group where the groups differ. torch's optimizers clip nothing
+    (`clip_grad_norm_` is the caller's code)."""
+    def each(key: str, default: Item = None) -> Item:
+        return _collapsed([_plain(g.get(key, default)) for g in groups]) if groups else default
+
+    if not algo:
+        return {}
+    out: dict[str, Item] = {"lr": each("lr"), "maximize": each("maximize", False), "clip_norm": None,
+                            "clip_value": None, "weight_decay": each("weight_decay", 0.0)}
+    if algo == "sgd":
+        out.update(momentum=each("momentum", 0.0), nesterov=each("nesterov", False),
+                   dampening=each("dampening", 0.0), decoupled_weight_decay=False)
+    else:
+        betas = [g.get("betas") for g in groups]
+        firsts = [b[0] if isinstance(b, list) and len(b) == 2 else None for b in betas]
+        seconds = [b[1] if isinstance(b, list) and len(b) == 2 else None for b in betas]
+        decoupled = kind.lower().endswith(".adamw")
+        out.update(b1=_collapsed([_plain(v) for v in firsts]), b2=_collapsed([_plain(v) for v in seconds]),
+                   eps=each("eps"), amsgrad=each("amsgrad", False),
+                   decoupled_weight_decay=True if decoupled else each("decoupled_weight_decay", False))
+    return out
+
+
+def _plain(value: Item) -> Item:
+    """A group's number as a float (a tensor lr or beta too), other values as they are."""
+    if isinstance(value, TensorData) and value.shape in ((), (1,)):
+        return float(value.array.reshape(()))
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _rates(lr: float | Sequence[float], groups: int) -> list[float]:
@@ -148,16 +191,9 @@ class TorchForm:
             if native:
                 problems.append("the torch model holds gradients in .grad (native accumulation); move "
                                 "them into the accumulator, or force=True to drop them")
-        settings: dict[str, Item] = {}
-        rates = set()
-        for gi, group in enumerate(groups):
-            g = as_map(group, f"{role}.optimizer.param_groups.{gi}")
-            rates.add(g.get("lr"))
-            for key in _SETTINGS.get(algo, ()):
-                value = g.get(key, False if key != "dampening" else 0.0)
-                if key in settings and settings[key] != value:
-                    problems.append(f"param groups differ in {key} ({settings[key]!r}, {value!r})")
-                settings.setdefault(key, value)
+        settings = _maths(opt.kind, algo, [as_map(g, f"{role}.optimizer.param_groups.{gi}")
+                                           for gi, g in enumerate(groups)])
+        rates = {g.get("lr") for g in groups if isinstance(g, dict)}
         steps = set()
         moments: dict[str, dict[str, TensorData]] = {}
         for pid, value in state.items():
@@ -209,6 +245,11 @@ class TorchForm:
         rate = state.lr if state.lr is not None else state.source_lr
         lrs = None if rate is None else _rates(rate, len(raw_groups))
         scheduler, momenta = self._scheduler(template, state, raw_groups, lrs)
+        key = "b1" if _algorithm(template.optimizer.kind) == "adam" else "momentum"
+        if lrs is not None:
+            state.values["lr"] = _collapsed(list(lrs))
+        if momenta is not None:
+            state.values[key] = _collapsed(list(momenta))
         groups: list[Item] = []
         for gi, group in enumerate(raw_groups):
             g = dict(as_map(group, f"template.optimizer.param_groups.{gi}"))
@@ -251,10 +292,13 @@ class TorchForm:
             return None, None
         item = dict(as_map(sched.item, "template.scheduler"))
         momenta = None
+        momentum_key = "b1" if _algorithm(template.optimizer.kind) == "adam" else "momentum"
         if sched.kind not in POSITIONAL:
             return sched, None  # read_schedule said so
         position = state.position
         if position != item.get("last_epoch") and lrs is None:
+            state.unknown["lr"] = (f"a {sched.kind} at last_epoch {position}: its rate there is code, "
+                                   "which the records do not hold")
             state.problems.append(
                 f"template.scheduler: a {sched.kind} at last_epoch {position} keeps each group's "
                 "learning rate there, which the records do not give (the schedule is code); pass "
@@ -264,8 +308,13 @@ class TorchForm:
             found = _one_cycle_momenta(item, groups, position)
             if isinstance(found, str):
                 state.problems.append(f"template.scheduler: {found}: the momentum at {position} is unknown")
+                state.unknown[momentum_key] = found
             else:
                 momenta = found
+        elif (sched.kind.endswith(".CyclicLR") and item.get("cycle_momentum")
+                and position != item.get("last_epoch")):
+            state.unknown[momentum_key] = (f"a CyclicLR cycles it: its value at {position} is its scale_fn's, "
+                                           "which the records do not hold")
         item["last_epoch"], item["_step_count"] = position, position + 1
         if lrs is not None:
             item["_last_lr"] = list(lrs)

@@ -2,9 +2,10 @@
 other adapter's (declared in pyproject.toml, entry-point group `trainrec.neutral`).
 
 `Linear`'s `w` ([in, out]) is the model's `dense.kernel`, `b` its `bias`; `SGD` keeps
-torch's momentum formula without dampening or nesterov, and no step count; the
-`StepSchedule`'s `count` is its position (the caller steps it; its rate is not in the
-record, so a torch target needs `lr=`).
+torch's momentum formula without dampening, nesterov or weight decay, and no step count;
+the `StepSchedule`'s `count` is its position (the caller steps it; its rate is not in the
+record, so a torch target needs `lr=`, and a target whose rate the engine would compare
+needs `use_template=["lr"]`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from trainrec.adapter_kit import (
 )
 
 ROLES = {"w": "dense.kernel", "b": "bias"}
+_NO_RATE = "the StepSchedule's rate is not in its record (its count is)"
 
 
 class ArrayStrictForm:
@@ -45,8 +47,12 @@ class ArrayStrictForm:
     def read_optimizer(self, record: TrainingRecord[Any], role: str, force: bool) -> NeutralOptimizer:
         item = as_map(record.optimizer.item, f"{role}.optimizer")
         buffers = tensors_of(item.get("buffers"), f"{role}.optimizer.buffers")
-        return NeutralOptimizer("sgd", None, {pid: {"momentum": t} for pid, t in buffers.items()},
-                                {"nesterov": False, "dampening": 0.0, "maximize": False})
+        momentum = item.get("momentum")
+        maths: dict[str, Item] = {"nesterov": False, "dampening": 0.0, "maximize": False, "weight_decay": 0.0,
+                                  "clip_norm": None, "clip_value": None,
+                                  "momentum": float(momentum) if isinstance(momentum, (int, float)) else momentum}
+        return NeutralOptimizer("sgd", None, {pid: {"momentum": t} for pid, t in buffers.items()}, maths,
+                                unknown={"lr": _NO_RATE})
 
     def read_schedule(self, record: TrainingRecord[Any], role: str, problems: list[str]) -> list[ScheduleCount]:
         if record.scheduler is None:
@@ -69,6 +75,7 @@ class ArrayStrictForm:
         if scheduler is not None:
             scheduler = StateRecord(scheduler.kind, {**as_map(scheduler.item, "template.scheduler"),
                                                      "count": state.position})
+        state.unknown["lr"] = _NO_RATE
         return {"momentum": item.get("momentum"), "buffers": buffers}, scheduler
 
 
