@@ -46,6 +46,8 @@ import numpy as np
 
 from .burn import MODULE, OPTIMIZER, is_burn_item, module_tensors, new_param_id, param_id_value
 from .convert import (
+    FIELDS,
+    MATHS,
     ConversionError,
     Neutral,
     NeutralOptimizer,
@@ -243,8 +245,19 @@ class BurnForm:
                 elif role == "source" and moments:
                     problems.append(f"Burn's SGD record does not say its momentum's {key}: give it "
                                     "(training_record(..., config={...}))")
+        unknown: dict[str, str] = {}
+        if algo:
+            for suffix, decoupled in {".adamw": True, ".adam": False}.items():
+                if kind.endswith(suffix):
+                    settings["decoupled_weight_decay"] = decoupled
+                    break
+            for key in FIELDS[algo]:
+                if key in config:
+                    settings[key] = config[key]
+                elif key not in settings:
+                    unknown[key] = "Burn's record keeps no settings: give the Burn program's, config={...}"
         step = max(steps) if steps else (None if algo == "sgd" else 0)
-        return NeutralOptimizer(algo, step, moments, settings, None, problems)
+        return NeutralOptimizer(algo, step, moments, settings, None, problems, unknown)
 
     def read_schedule(self, record: TrainingRecord[Any], role: str, problems: list[str]) -> list[ScheduleCount]:
         if record.scheduler is not None:
@@ -288,6 +301,11 @@ class BurnForm:
                                 "scalars": scalars, "dtypes": {}}
         if "config" in base:
             out["config"] = base["config"]
+            if state.algorithm and isinstance(base["config"], dict):
+                given = ", ".join(f"{k} {v!r}" for k, v in base["config"].items() if k in MATHS)
+                state.notes["optimizer settings"] = (
+                    "Burn's optimizer record keeps none of them: the Burn program's optimizer config must "
+                    f"give {given or 'them'}")
         return out, None
 
 
@@ -348,15 +366,26 @@ def burn_layout(record: Any) -> dict[str, Item] | None:
             "scalars": {}, "dtypes": {}}
 
 
-def burn_template(source: TrainingRecord[Any]) -> TrainingRecord[Any]:
+def burn_template(source: TrainingRecord[Any], config: dict[str, Item] | None = None) -> TrainingRecord[Any]:
     """A Burn target for `source` when no Burn record of the target exists: its parameters
-    under Burn's names (`burn_layout`) and an optimizer of the source's algorithm."""
+    under Burn's names (`burn_layout`) and an optimizer of the source's algorithm, whose
+    settings (`config`) are the source's unless given: Burn's record keeps none, so the
+    conversion's report says which the Burn program must use."""
     layout = burn_layout(source)
     assert layout is not None
     try:
-        algo = form_for(source, "source").read_optimizer(source, "source", True).algorithm
+        found = form_for(source, "source").read_optimizer(source, "source", True)
     except ConversionError:
-        algo = ""
-    kind = {"adam": "adam", "sgd": "sgd"}.get(algo)
-    return training_record(layout, algorithm=kind)
+        found = NeutralOptimizer("")
+    algo = found.algorithm
+    kind = {"adam": "adamw" if found.settings.get("decoupled_weight_decay") else "adam",
+            "sgd": "sgd"}.get(algo)
+    if config is None:  # made for the source: its settings, which the Burn program must then use
+        config = {k: found.settings[k] for k in FIELDS.get(algo, ())
+                  if k in found.settings and k not in found.unknown and _plain(found.settings[k])}
+    return training_record(layout, algorithm=kind, config=config if kind else None)
+
+
+def _plain(value: Item) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
 

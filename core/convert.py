@@ -233,7 +233,9 @@ class TargetState:
     position for the `MATHS` fields a schedule drives there (`lr`; `b1` or `momentum`
     where its schedule cycles them), in `unknown` those it cannot say, with why, and in
     `tolerance` their absolute error where it computes them less exactly than the
-    framework does: the engine compares them with the source's."""
+    framework does: the engine compares them with the source's. In `notes` it says what
+    its files will not keep that the caller must know (Burn's optimizer settings, which
+    the Burn program gives): the report's `unchecked` lines, shown without asking."""
 
     algorithm: str
     step: int
@@ -246,6 +248,7 @@ class TargetState:
     values: dict[str, Item] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)
     tolerance: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # what the target's files will not keep: in the report
 
     def moment(self, param: str, which: str, like: TensorData | None, where: str) -> TensorData | None:
         """The source's moment `which` (a `MOMENTS` name) for the target parameter `param`,
@@ -856,6 +859,7 @@ def convert_with_report(source: TrainingRecord[Any], template: TrainingRecord[An
     step = src_opt.step if src_opt.step is not None else position
     state = TargetState(algorithm, step, position, lr, src_opt.lr, force, schedule, moment)
     opt_item, scheduler = dst.write_state(template, state)
+    report.unchecked.update(state.notes)
     if same_algorithm:
         maths = _maths(algorithm, src_opt, dst_opt, state, lr is not None, use_template,
                        position if counts or places else None, report)

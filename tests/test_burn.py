@@ -24,7 +24,7 @@ from trainrec.burn import (
 )
 from trainrec.burn_neutral import burn_template, training_record
 from trainrec.cli import main
-from trainrec.convert import ConversionError, convert
+from trainrec.convert import ConversionError, convert, convert_with_report
 from trainrec.items import iter_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,6 +320,13 @@ def test_the_cli_converts_the_burnpack_to_flax_and_back(tmp_path):
 # -- torch weights and optimizer state as Burn's ------------------------------------------------
 
 
+# the settings of _trained_torch's optimizers, as the Burn program would give them
+ADAM_CONFIG = {"lr": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "clip_norm": None,
+               "clip_value": None}
+SGD_CONFIG = {"lr": 1e-2, "momentum": 0.9, "nesterov": False, "dampening": 0.0, "weight_decay": 0.0,
+              "clip_norm": None, "clip_value": None}
+
+
 def _trained_torch(steps=3, opt="adam"):
     torch = pytest.importorskip("torch")
     import trainrec.adapters.torch as trt
@@ -341,7 +348,9 @@ def test_a_torch_trained_model_written_as_burnpack_reads_back_with_every_value_e
     net, opt, _ = _trained_torch()
     source = TrainingRecord.capture(net, opt, None, GradientsAccumulator(), S(3))
     template = burn_template(source)
-    converted = convert(source, template)
+    converted, report = convert_with_report(source, template)
+    # Burn's file keeps none of the optimizer's settings: the report says what the Burn program must use
+    assert "the Burn program's optimizer config must give lr 0.01, b1 0.9" in report.notes()[0]
     path = tmp_path / "net.bpk"
     converted.save(BurnpackRecorder(), path)
     header, item = read_file(path)
@@ -371,9 +380,16 @@ def test_burn_adam_moments_convert_back_into_torch_exactly(tmp_path):
     source = TrainingRecord.capture(net, opt, None, GradientsAccumulator(), S(3))
     path = tmp_path / "net.bpk"
     convert(source, burn_template(source)).save(BurnpackRecorder(), path)
-    burn = training_record(path, optimizer_path(path), algorithm="adam")
     fresh, fresh_opt, _ = _trained_torch(steps=0)
     template = TrainingRecord.capture(fresh, fresh_opt, None, GradientsAccumulator(), S(0))
+    # Burn's optimizer record keeps no settings (the Burn program's config does): never assumed
+    with pytest.raises(ConversionError, match=r"(?s)lr: the source's is unknown \(Burn's record keeps no "
+                                              r"settings.*eps: the source's is unknown"):
+        convert(training_record(path, optimizer_path(path), algorithm="adam"), template)
+    with pytest.raises(ConversionError, match=r"b1: the source's 0.8, the template's 0.9"):
+        convert(training_record(path, optimizer_path(path), algorithm="adam", config={**ADAM_CONFIG, "b1": 0.8}),
+                template)
+    burn = training_record(path, optimizer_path(path), algorithm="adam", config=ADAM_CONFIG)
     convert(burn, template).restore(fresh, fresh_opt, None, "cpu")
     for a, b in zip(net.state_dict().values(), fresh.state_dict().values()):
         if a.dtype.is_floating_point:
@@ -418,7 +434,7 @@ def test_burn_sgd_velocity_needs_its_settings_to_convert(tmp_path):
     template = TrainingRecord.capture(fresh, fresh_opt, None, GradientsAccumulator(), S(0))
     with pytest.raises(ConversionError, match="dampening"):
         convert(training_record(path, optim), template)
-    burn = training_record(path, optim, algorithm="sgd", config={"nesterov": False, "dampening": 0.0})
+    burn = training_record(path, optim, algorithm="sgd", config=SGD_CONFIG)
     convert(burn, template).restore(fresh, fresh_opt, None, "cpu")
     for k, v in opt.state_dict()["state"].items():
         assert torch.equal(v["momentum_buffer"], fresh_opt.state_dict()["state"][k]["momentum_buffer"])

@@ -414,7 +414,7 @@ def test_batches_that_are_not_tensors_are_refused_at_the_first_window(make_train
 def test_a_save_that_fails_commits_nothing_and_raises(make_trainer, tmp_path, monkeypatch):
     import signal
 
-    from trainrec import NamedMpkFileRecorder
+    from trainrec import NamedMpkFileRecorder, RecorderError
     from trainrec.adapters.torch.transformers import ExactResume
 
     transformers = make_trainer.transformers
@@ -430,7 +430,7 @@ def test_a_save_that_fails_commits_nothing_and_raises(make_trainer, tmp_path, mo
     trainer.add_callback(Preempted())
     ExactResume.attach(trainer)
     monkeypatch.setattr(NamedMpkFileRecorder, "save_item", full_disk)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RecorderError, match="No space left on device; nothing was committed"):
         trainer.train()
     assert os.listdir(tmp_path / "out") == []  # neither the checkpoint nor its temp directory
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
