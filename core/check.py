@@ -120,6 +120,12 @@ class ResumeReport:
     train_s: float
     """The reference run's time in `micro_step` and `apply_window` (plain training)."""
     timings: dict[str, float] = field(default_factory=dict)
+    """Where the time went: the reference's `snapshot_s` and `save_s`, `startup_s` (its
+    process start-up: the interpreter, trainrec, the workload's module and framework),
+    the resumes' `resume_startup_s` and `resume_train_s` (the slowest), `runs` (processes per
+    rank) and `bound_s` = runs x (train_s + startup_s), the cost the check stays within."""
+    reference: str | None = None
+    """The workload whose earlier uninterrupted run was reused (`reference=`), else None."""
 
     @property
     def exact(self) -> bool:
@@ -136,7 +142,8 @@ class ResumeReport:
         return {"exact": self.exact, "checks": [c.to_json() for c in self.checks],
                 "cause": self.cause, "workload": self.workload, "steps": self.steps,
                 "window": self.window, "recorder": self.recorder, "nproc": self.nproc,
-                "wall_s": self.wall_s, "train_s": self.train_s, **self.timings}
+                "wall_s": self.wall_s, "train_s": self.train_s, **self.timings,
+                **({"reference": self.reference} if self.reference else {})}
 
     def __str__(self) -> str:
         return format_report(self)
@@ -173,11 +180,21 @@ def format_report(report: ResumeReport) -> str:
             more = f" and {len(others) - 4} more" if len(others) > 4 else ""
             lines.append(f"    also differing then: {shown}{more}")
         lines.append(f"    cause: {c.cause}")
-    lines.append(f"  wall time {report.wall_s:.1f} s (training {report.train_s:.2f} s of "
-                 f"the reference run)")
+    if report.reference:
+        lines.append(f"  compared with the uninterrupted run of {report.reference} (reused)")
+    lines.append(_cost_text(report))
     lines.append("RESULT: every resume is bitwise exact" if report.exact
                  else "RESULT: resume is NOT exact")
     return "\n".join(lines)
+
+
+def _cost_text(report: ResumeReport) -> str:
+    t = report.timings
+    text = f"  wall time {report.wall_s:.1f} s (training {report.train_s:.2f} s of the reference run"
+    if "bound_s" in t and t["bound_s"] > 0:
+        text += (f"; {t['runs']:g} runs, each within training plus a process start-up of "
+                 f"{t['startup_s']:.1f} s: {report.wall_s / t['bound_s']:.2f}x that bound")
+    return text + ")"
 
 
 # -- the check ------------------------------------------------------------------------------
@@ -249,7 +266,8 @@ def _launch(args: list[str], out: Path, nproc: int, timeout: float, label: str) 
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         rank_out = out.with_name(f"{out.name}-r{rank}.json")
-        cmd = [sys.executable, "-m", "trainrec.check_run", *args, "--out", str(rank_out)]
+        cmd = [sys.executable, "-m", "trainrec.check_run", *args, "--out", str(rank_out),
+               "--launched", repr(time.time())]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, env=_child_env(dist)), rank_out))
     deadline = time.monotonic() + timeout
@@ -280,6 +298,7 @@ def check_resume(
     nproc: int = 1, seed: int = 0, plot: str | os.PathLike[str] | None = None,
     without_pending: bool | None = None, jobs: int = 2, timeout: float = 600.0,
     workdir: str | os.PathLike[str] | None = None,
+    reference: str | os.PathLike[str] | None = None,
 ) -> ResumeReport:
     """Check that `workload` resumes bitwise from a checkpoint after each micro-step of `at`.
 
@@ -297,6 +316,12 @@ def check_resume(
         without_pending: run those resumes without `plot` too (default: when plotting).
         jobs: processes at a time; timeout: seconds a run may take.
         workdir: where to keep snapshots and checkpoints (default a temporary directory).
+        reference: the `workdir` of an earlier check whose uninterrupted run (snapshots and
+            checkpoints) this one compares with, instead of running its own: that check
+            had the same steps, window, recorder, seed and nproc and checkpointed after
+            every micro-step of `at`. Only for a workload whose uninterrupted run and
+            checkpoints are that check's workload's, bit for bit: a variant that changes
+            only its resume (`after_restore`, `load_checkpoint`), such as a fix being tried.
 
     Returns: the `ResumeReport` (`report.exact`, `report.checks[i].first_divergence`,
     `report.cause`; `str(report)` is what `trainrec check` prints).
@@ -329,14 +354,22 @@ def check_resume(
         raise ValueError("plot= needs matplotlib: pip install 'trainrec[plot]'")
     drop = want_plot if without_pending is None else without_pending
 
+    settings = {"steps": steps, "window": window, "recorder": recorder, "seed": seed,
+                "nproc": nproc}
+    reused = None if reference is None else _reused_reference(Path(reference), settings, ats)
     tmp = None if workdir else tempfile.TemporaryDirectory(prefix="trainrec-check-")
     wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
     wd.mkdir(parents=True, exist_ok=True)
     common = ["--workload", ref, "--steps", str(steps), "--window", str(window),
-              "--recorder", recorder, "--workdir", str(wd), "--seed", str(seed)]
+              "--recorder", recorder, "--workdir", str(reference or wd), "--seed", str(seed)]
     try:
-        reference = _launch(["reference", *common, "--at", *map(str, ats)], wd / "reference",
-                            nproc, timeout, "uninterrupted run")
+        if reused is None:
+            reference_runs = _launch(["reference", *common, "--at", *map(str, ats)],
+                                     wd / "reference", nproc, timeout, "uninterrupted run")
+            _write_manifest(wd, {**settings, "workload": ref, "at": ats,
+                                 "results": reference_runs})
+        else:
+            reference_runs = reused["results"]
         runs = [(k, False) for k in ats] + ([(k, True) for k in ats] if drop else [])
         with ThreadPoolExecutor(max_workers=max(1, jobs // nproc)) as pool:
             done = list(pool.map(lambda run: _launch(
@@ -348,18 +381,54 @@ def check_resume(
         if tmp is not None:
             tmp.cleanup()
     results = dict(zip(runs, done))
-    checks = tuple(_check(k, window, results[(k, False)], reference,
+    checks = tuple(_check(k, window, results[(k, False)], reference_runs,
                           results.get((k, True))) for k in ats)
-    train_s = max(r["train_s"] for r in reference)
-    timings = {"snapshot_s": max(r["snapshot_s"] for r in reference),
-               "save_s": max(r["save_s"] for r in reference)}
+    train_s = max(r["train_s"] for r in reference_runs)
+    resumes = [r for rs in done for r in rs]
+    timings = {"snapshot_s": max(r["snapshot_s"] for r in reference_runs),
+               "save_s": max(r["save_s"] for r in reference_runs),
+               "startup_s": max(r.get("startup_s", 0.0) for r in reference_runs),
+               "resume_startup_s": max(r.get("startup_s", 0.0) for r in resumes),
+               "resume_train_s": max(r["train_s"] for r in resumes),
+               "runs": len(runs) + (reused is None)}
+    timings["bound_s"] = timings["runs"] * (train_s + timings["startup_s"])
     report = ResumeReport(ref, steps, window, recorder, nproc, checks,
-                          time.perf_counter() - t_start, train_s, timings)
+                          time.perf_counter() - t_start, train_s, timings,
+                          reused["workload"] if reused else None)
     if plot is not None:
         from .check_plot import draw
 
         draw(report, Path(plot))
     return report
+
+
+_MANIFEST = "reference.json"
+
+
+def _write_manifest(workdir: Path, manifest: dict[str, Any]) -> None:
+    """What `reference=` checks before it reuses this workdir's uninterrupted run."""
+    tmp = workdir / (_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest), encoding="utf-8")
+    os.replace(tmp, workdir / _MANIFEST)
+
+
+def _reused_reference(path: Path, settings: dict[str, Any], ats: list[int]) -> dict[str, Any]:
+    """The manifest of the earlier check in `path`; `ValueError` when it cannot stand in
+    for this check's uninterrupted run."""
+    try:
+        manifest: dict[str, Any] = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reference {str(path)!r} holds no uninterrupted run of a check "
+                         f"({_MANIFEST}: {e})") from None
+    other = {k: manifest.get(k) for k in settings if manifest.get(k) != settings[k]}
+    if other:
+        raise ValueError(f"reference {str(path)!r} was run with {other}, this check has "
+                         f"{ {k: settings[k] for k in other} }")
+    missing = [k for k in ats if k not in manifest.get("at", [])]
+    if missing:
+        raise ValueError(f"reference {str(path)!r} checkpointed after micro-steps "
+                         f"{manifest.get('at')}, not after {missing}")
+    return manifest
 
 
 def _curve(results: list[dict[str, Any]]) -> tuple[dict[str, float], ...]:
@@ -397,5 +466,6 @@ def _check(at: int, window: int, resumed: list[dict[str, Any]], reference: list[
     cause = explain(at=at, window=window, divergence=divergence, differing=differing,
                     step=step, saved=result["saved"], ref_extras=ref_extras,
                     got_extras=result["extras"],
-                    equal_before=[s["micro"] for s in result["steps"] if s["micro"] < micro])
+                    equal_before=[s["micro"] for s in result["steps"] if s["micro"] < micro],
+                    own_checkpoint=bool(result.get("own_checkpoint")))
     return ResumeCheck(at, divergence, cause, curve, differing, lost)

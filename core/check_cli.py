@@ -49,6 +49,11 @@ def add_check_parser(sub: Any) -> None:
                    help="draw each resume's differences per micro-step, beside a resume without "
                         "its pending gradients (needs matplotlib: pip install 'trainrec[plot]')")
     p.add_argument("--workdir", help="keep snapshots and checkpoints here (default: a temp dir)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="compare with the uninterrupted run an earlier check left in its "
+                        "--workdir DIR (same --steps, --window, --recorder, --seed, --nproc, its "
+                        "--at covering these) instead of running it again: only for a workload "
+                        "that differs from that one in its resume code alone")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (600)")
 
 
@@ -98,7 +103,7 @@ def run_check(args: argparse.Namespace) -> int:
         report = check_resume(
             args.target, at=args.at, steps=args.steps, window=args.window,
             recorder=args.recorder, nproc=args.nproc, seed=args.seed, plot=args.plot,
-            workdir=args.workdir, timeout=args.timeout)
+            workdir=args.workdir, timeout=args.timeout, reference=args.reference)
     except WorkloadError as e:
         print(f"trainrec check: the workload failed: {e}", file=sys.stderr)
         return 3

@@ -1,5 +1,8 @@
 """The processes of `trainrec check`: `python -m trainrec.check_run ROLE ...`.
 
+Each role reports, besides its result, its start-up: the seconds from its launch
+(`--launched`) until the workload was imported (the interpreter, trainrec, the framework).
+
 - `reference`: trains the workload without stopping for `--steps` micro-steps; from the
   first `--at` on it writes a snapshot of the whole training state after every micro-step
   (model, optimizer, scheduler, pending gradients, caller state, the batch the micro-step
@@ -216,7 +219,8 @@ def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[st
         batches, took = _step(workload, parts, a.window)
         train_s += took
     return {"at": at, "saved": saved, "steps": steps, "extras": extras, "train_s": train_s,
-            "restore_s": restore_s}
+            "restore_s": restore_s,
+            "own_checkpoint": callable(getattr(workload, "load_checkpoint", None))}
 
 
 def run_role(argv: Sequence[str] | None = None) -> int:
@@ -233,12 +237,15 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drop-pending", action="store_true")
+    p.add_argument("--launched", type=float, help="time.time() when the driver started this")
     a = p.parse_args(argv)
     rank, world = _rank_world()
     try:
         workload = load_target(a.workload)
         recorder = named_recorder(workload, a.recorder)
-        result = (_reference if a.role == "reference" else _resume)(workload, a, recorder)
+        startup = {} if a.launched is None else {"startup_s": time.time() - a.launched}
+        result = {**(_reference if a.role == "reference" else _resume)(workload, a, recorder),
+                  **startup}
     except BaseException as e:  # the workload's own failure, reported to the driver
         import traceback
 
