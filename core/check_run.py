@@ -179,9 +179,41 @@ def _reference(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict
     return {"train_s": train_s, "snapshot_s": snap_s, "save_s": save_s, "extras": extras}
 
 
+def _wait_for_reference(after: Path, pids: list[int]) -> None:
+    """Wait until the same rank's uninterrupted run has written its result (then every
+    snapshot and checkpoint is in place); raise when it failed or ended without one."""
+    rank, _ = _rank_world()
+    out = after.with_name(f"{after.name}-r{rank}.json")
+    pid = pids[rank] if rank < len(pids) else None
+    while not out.exists():
+        if pid is not None and not _alive(pid):
+            if out.exists():
+                break
+            raise RuntimeError("the uninterrupted run ended without a result")
+        time.sleep(0.05)
+    if "error" in json.loads(out.read_text(encoding="utf-8")):
+        raise RuntimeError("the uninterrupted run failed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - another user's process took the pid
+        return True
+    try:  # a child of another process that has ended but not been waited for
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[str, Any]:
     (at,) = a.at
     parts = workload.build(a.seed)
+    if a.after is not None:
+        _wait_for_reference(a.after, a.after_pid)
     t0 = time.perf_counter()
     loaded = _restore(workload, parts, recorder, _checkpoint_path(a.workdir, at, recorder),
                       a.drop_pending)
@@ -237,6 +269,11 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drop-pending", action="store_true")
+    p.add_argument("--after", type=Path, help="resume: wait for the uninterrupted run's "
+                   "result (AFTER-r{rank}.json) before the restore")
+    p.add_argument("--after-pid", type=int, nargs="+", default=[],
+                   help="the uninterrupted run's process of each rank (one that ended without a "
+                        "result fails the resume)")
     p.add_argument("--launched", type=float, help="time.time() when the driver started this")
     a = p.parse_args(argv)
     rank, world = _rank_world()

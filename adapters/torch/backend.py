@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from trainrec import DType
+from trainrec.dtypes import is_bfloat16
 
 __all__ = ["TorchBackend", "to_torch_dtype", "from_torch_dtype", "tensor_to_numpy", "numpy_to_tensor"]
 
@@ -45,14 +45,14 @@ def from_torch_dtype(dtype: torch.dtype) -> DType:
 def tensor_to_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A numpy view of a CPU tensor (bf16 through ml_dtypes); the caller owns `t`."""
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(torch.int16).numpy().view(DType.BF16.numpy)
     return t.numpy()
 
 
 def numpy_to_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
     """A new CPU tensor holding a copy of `array`."""
     arr = np.array(array, order="C", copy=True)
-    if arr.dtype == ml_dtypes.bfloat16:
+    if is_bfloat16(arr.dtype):
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
 
