@@ -4,10 +4,12 @@
 
 Measures, in one run: the loop's plain training time (`--steps` micro-steps in this
 process, after `build`), one process start-up (a fresh interpreter importing the loop and
-building it), and the wall time of `trainrec.check_resume` with its default `at`s (a
-mid-window micro-step, a window boundary, one two micro-steps before the end). The bound
-the check keeps is (1 + number of `at`) x (training + start-up); the row prints the ratio
-of the check's wall time to it. Medians of `--repeats`. Nothing here is a test.
+building it, alone), and the wall time of `trainrec.check_resume` with its default `at`s (a
+mid-window micro-step, a window boundary, one two micro-steps before the end), called here
+(where the loop is imported already) and as `trainrec check` (a process of its own, which
+imports the loop too). The bound the check keeps is (1 + number of `at`) x (training +
+start-up); the row prints the ratio of each wall time to it, and where the check's time
+went (its report's timings). Medians of `--repeats`. Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -85,6 +87,15 @@ def _startup() -> float:
     return time.perf_counter() - t0
 
 
+def _cli(steps: int) -> float:
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "trainrec", "check", "benchmarks.check:README_LOOP",
+                           "--steps", str(steps), "--json"], capture_output=True, text=True)
+    took = time.perf_counter() - t0
+    assert done.returncode == 0, done.stdout + done.stderr
+    return took
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.check")
     p.add_argument("--steps", type=int, default=48)
@@ -94,19 +105,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ats = default_ats(a.steps, README_LOOP.window)
     train = statistics.median(_train(a.steps) for _ in range(a.repeats))
     startup = statistics.median(_startup() for _ in range(a.repeats))
-    walls = []
+    walls, cli_walls, timings = [], [], []
     for _ in range(a.repeats):
         report = trainrec.check_resume("benchmarks.check:README_LOOP", steps=a.steps)
         assert report.exact, str(report)
         walls.append(report.wall_s)
-    wall = statistics.median(walls)
+        timings.append(report.timings)
+        cli_walls.append(_cli(a.steps))
+    wall, cli_wall = statistics.median(walls), statistics.median(cli_walls)
     bound = (1 + len(ats)) * (train + startup)
+    went = {k: statistics.median(float(t[k]) for t in timings) for k in timings[0]}
     row = {"name": "trainrec check, README PyTorch loop", "steps": a.steps, "at": ats,
-           "train_s": train, "startup_s": startup, "check_wall_s": wall, "bound_s": bound,
-           "ratio_to_bound": wall / bound}
+           "train_s": train, "startup_s": startup, "check_wall_s": wall,
+           "cli_wall_s": cli_wall, "bound_s": bound, "ratio_to_bound": wall / bound,
+           "cli_ratio_to_bound": cli_wall / bound, "check_timings": went}
     print(f"{row['name']}: {a.steps} micro-steps, at {ats}: training {train:.2f} s, process "
-          f"start-up {startup:.2f} s, check {wall:.2f} s = {wall / bound:.2f}x the bound "
-          f"(1 + {len(ats)}) x (training + start-up) = {bound:.2f} s")
+          f"start-up {startup:.2f} s; bound (1 + {len(ats)}) x (training + start-up) = "
+          f"{bound:.2f} s; check_resume {wall:.2f} s = {wall / bound:.2f}x the bound, "
+          f"trainrec check {cli_wall:.2f} s = {cli_wall / bound:.2f}x; inside the check: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in went.items()))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as f:
             json.dump(row, f, indent=2)
