@@ -198,8 +198,8 @@ def _cost_text(report: ResumeReport) -> str:
     t = report.timings
     text = f"  wall time {report.wall_s:.1f} s (training {report.train_s:.2f} s of the reference run"
     if "runs" in t:
-        text += (f"; {t['runs']:g} processes, started in {t['startup_s']:.1f} s (the "
-                 f"uninterrupted run) and up to {t['resume_startup_s']:.1f} s (a resume)")
+        text += (f"; {t['runs']:g} processes, each starting in {t['startup_s']:.1f} s "
+                 f"(the uninterrupted run) to {t['resume_startup_s']:.1f} s (the slowest resume)")
     return text + ")"
 
 
@@ -328,7 +328,9 @@ def check_resume(
         plot: a PNG to draw the curves of each resume into (needs matplotlib); also runs
             each resume once without its pending gradients, for the curve beside it.
         without_pending: run those resumes without `plot` too (default: when plotting).
-        jobs: processes at a time; timeout: seconds a run may take.
+        jobs: resumes at a time, beside the uninterrupted run (`nproc` processes each);
+            timeout: seconds a run may take (a resume: twice that, from its start beside
+            the uninterrupted run).
         workdir: where to keep snapshots and checkpoints (default a temporary directory).
         reference: the `workdir` of an earlier check whose uninterrupted run (snapshots and
             checkpoints) this one compares with, instead of running its own: that check
@@ -346,7 +348,61 @@ def check_resume(
     """
     t_start = time.perf_counter()
     ref = workload_ref(workload)
-    loaded = workload if isinstance(workload, Workload) else load_target(ref)
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    reused_dir = None if reference is None else Path(reference)
+    tmp = None if workdir else tempfile.TemporaryDirectory(prefix="trainrec-check-")
+    wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
+    early: _Started | None = None
+    try:
+        wd.mkdir(parents=True, exist_ok=True)
+        if reused_dir is None and not isinstance(workload, Workload) and not _imported(ref):
+            # importing the workload here costs a process start-up: the uninterrupted run
+            # starts first, resolving the defaults as this process does below
+            early = _start(["reference", "--workload", ref, "--recorder", recorder,
+                            "--workdir", str(wd), "--seed", str(seed),
+                            *(["--steps", str(steps)] if steps is not None else []),
+                            *(["--window", str(window)] if window is not None else []),
+                            "--at", *(map(str, at) if at is not None else ["default"])],
+                           wd / "reference", nproc)
+        return _check_resume(
+            ref, workload if isinstance(workload, Workload) else _load(ref), at=at, steps=steps,
+            window=window, recorder=recorder, nproc=nproc, seed=seed, plot=plot,
+            without_pending=without_pending, jobs=jobs, timeout=timeout, wd=wd,
+            reference=reused_dir, early=early, t_start=t_start)
+    finally:
+        for proc, _ in early or ():
+            if proc.poll() is None:  # refused before its result was awaited
+                proc.kill()
+                proc.communicate()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _imported(ref: str) -> bool:
+    return ref.rpartition(":")[0] in sys.modules
+
+
+def _load(ref: str) -> Any:
+    """The workload `ref` names; `ValueError` when its module lacks it, `WorkloadError`
+    when importing its module raises (the workload's own code failing)."""
+    module, _, attr = ref.rpartition(":")
+    try:
+        return load_target(ref)
+    except AttributeError as e:
+        raise ValueError(f"{module} has no workload {attr!r} ({e})") from None
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # the user's module raised while importing or making the instance
+        raise WorkloadError(f"importing the workload failed: {type(e).__name__}: {e}") from e
+
+
+def _check_resume(
+    ref: str, loaded: Any, *, at: Sequence[int] | None, steps: int | None, window: int | None,
+    recorder: str, nproc: int, seed: int, plot: str | os.PathLike[str] | None,
+    without_pending: bool | None, jobs: int, timeout: float, wd: Path, reference: Path | None,
+    early: _Started | None, t_start: float,
+) -> ResumeReport:
     missing = [n for n in ("state_type", "build", "micro_step", "apply_window") if not hasattr(loaded, n)]
     if missing:
         raise TypeError(f"{type(loaded).__name__} is not a trainrec Workload (it has no {', '.join(missing)})")
@@ -360,8 +416,6 @@ def check_resume(
     bad = [k for k in ats if not 0 < k < steps]
     if not ats or bad:
         raise ValueError(f"each at must be in 0 < K < steps={steps}; got {bad or 'none'}")
-    if nproc < 1:
-        raise ValueError(f"nproc must be at least 1, got {nproc}")
     named_recorder(loaded, recorder)  # ValueError for a name it does not know
     want_plot = plot is not None
     if want_plot and importlib.util.find_spec("matplotlib") is None:
@@ -370,45 +424,44 @@ def check_resume(
 
     settings = {"steps": steps, "window": window, "recorder": recorder, "seed": seed,
                 "nproc": nproc}
-    reused = None if reference is None else _reused_reference(Path(reference), settings, ats)
-    tmp = None if workdir else tempfile.TemporaryDirectory(prefix="trainrec-check-")
-    wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
-    wd.mkdir(parents=True, exist_ok=True)
+    reused = None if reference is None else _reused_reference(reference, settings, ats)
     common = ["--workload", ref, "--steps", str(steps), "--window", str(window),
               "--recorder", recorder, "--workdir", str(reference or wd), "--seed", str(seed)]
     runs = [(k, False) for k in ats] + ([(k, True) for k in ats] if drop else [])
-    try:
-        # the resumes start with the uninterrupted run: each imports and builds the workload
-        # while it trains, then waits for it to end (its result file) before it restores
-        started = None if reused else _start(["reference", *common, "--at", *map(str, ats)],
-                                              wd / "reference", nproc)
-        after = [] if started is None else [
-            "--after", str(wd / "reference"), "--after-pid", *(str(p.pid) for p, _ in started)]
-        with ThreadPoolExecutor(max_workers=max(1, jobs // nproc)) as pool:
-            resumes = [pool.submit(lambda run: _finish(_start(
-                ["resume", *common, "--at", str(run[0]), *after,
-                 *(["--drop-pending"] if run[1] else [])],
-                wd / f"{'drop' if run[1] else 'resume'}-{run[0]}", nproc), 2 * timeout,
-                f"resume after micro-step {run[0]}{' without pending gradients' if run[1] else ''}"),
-                run) for run in runs]
-            try:
-                if started is None:
-                    reference_runs = reused["results"]  # type: ignore[index]
-                else:
-                    reference_runs = _finish(started, timeout, "uninterrupted run")
-                    _write_manifest(wd, {**settings, "workload": ref, "at": ats,
-                                         "results": reference_runs})
-            except WorkloadError:
-                for future in resumes:
-                    future.cancel()
-                for _, rank_out in started or ():  # the started resumes end, seeing this
-                    if not rank_out.exists():
-                        _write_json(rank_out, {"error": "the uninterrupted run failed"})
-                raise
-            done = [future.result() for future in resumes]
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    # the resumes start with the uninterrupted run: each imports and builds the workload
+    # while it trains, then waits for it to end (its result file) before it restores
+    started = None if reused else early or _start(
+        ["reference", *common, "--at", *map(str, ats)], wd / "reference", nproc)
+    after = [] if started is None else [
+        "--after", str(wd / "reference"), "--after-pid", *(str(p.pid) for p, _ in started)]
+    with ThreadPoolExecutor(max_workers=max(1, jobs // nproc)) as pool:
+        resumes = [pool.submit(lambda run: _finish(_start(
+            ["resume", *common, "--at", str(run[0]), *after,
+             *(["--drop-pending"] if run[1] else [])],
+            wd / f"{'drop' if run[1] else 'resume'}-{run[0]}", nproc), 2 * timeout,
+            f"resume after micro-step {run[0]}{' without pending gradients' if run[1] else ''}"),
+            run) for run in runs]
+        try:
+            if started is None:
+                reference_runs = reused["results"]  # type: ignore[index]
+            else:
+                reference_runs = _finish(started, timeout, "uninterrupted run")
+                took = {k: reference_runs[0].get(k) for k in ("steps", "window", "at")}
+                if took != {"steps": steps, "window": window, "at": ats}:
+                    raise WorkloadError(
+                        f"the uninterrupted run took {took}, this process "
+                        f"{ {'steps': steps, 'window': window, 'at': ats} }: the "
+                        "workload's window differs between processes")
+                _write_manifest(wd, {**settings, "workload": ref, "at": ats,
+                                     "results": reference_runs})
+        except WorkloadError:
+            for future in resumes:
+                future.cancel()
+            for _, rank_out in started or ():  # the started resumes end, seeing this
+                if not rank_out.exists():
+                    _write_json(rank_out, {"error": "the uninterrupted run failed"})
+            raise
+        done = [future.result() for future in resumes]
     results = dict(zip(runs, done))
     checks = tuple(_check(k, window, results[(k, False)], reference_runs,
                           results.get((k, True))) for k in ats)

@@ -176,7 +176,8 @@ def _reference(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict
             break
         batches, took = _step(workload, parts, a.window)
         train_s += took
-    return {"train_s": train_s, "snapshot_s": snap_s, "save_s": save_s, "extras": extras}
+    return {"train_s": train_s, "snapshot_s": snap_s, "save_s": save_s, "extras": extras,
+            "steps": a.steps, "window": a.window, "at": a.at}
 
 
 def _wait_for_reference(after: Path, pids: list[int]) -> None:
@@ -255,15 +256,26 @@ def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[st
             "own_checkpoint": callable(getattr(workload, "load_checkpoint", None))}
 
 
+def _resolve(workload: Workload, a: argparse.Namespace) -> None:
+    """Fill in the defaults `trainrec.check.check_resume` would (a driver that starts the
+    uninterrupted run before it imports the workload leaves them to this process)."""
+    from .check import default_ats
+
+    a.window = int(getattr(workload, "window", 4)) if a.window is None else a.window
+    a.steps = 3 * a.window if a.steps is None else a.steps
+    a.at = sorted(set(default_ats(a.steps, a.window) if a.at == ["default"] else map(int, a.at)))
+
+
 def run_role(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m trainrec.check_run ROLE ...`; writes its result as JSON to
     `--out` (an `{"error": ...}` with the traceback when the workload raised, exit 3)."""
     p = argparse.ArgumentParser(prog="python -m trainrec.check_run")
     p.add_argument("role", choices=["reference", "resume"])
     p.add_argument("--workload", required=True, help="module:attr naming the workload")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--window", type=int, required=True)
-    p.add_argument("--at", type=int, nargs="+", required=True)
+    p.add_argument("--steps", type=int, help="default: three windows")
+    p.add_argument("--window", type=int, help="default: the workload's")
+    p.add_argument("--at", nargs="+", required=True,
+                   help="micro-steps, or `default` (trainrec.check.default_ats)")
     p.add_argument("--recorder", default="mpk")
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -280,6 +292,7 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     try:
         workload = load_target(a.workload)
         recorder = named_recorder(workload, a.recorder)
+        _resolve(workload, a)
         startup = {} if a.launched is None else {"startup_s": time.time() - a.launched}
         result = {**(_reference if a.role == "reference" else _resume)(workload, a, recorder),
                   **startup}
