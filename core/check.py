@@ -14,10 +14,10 @@ checkpoints: a save does not change the run) and one fresh process per `at`, two
 the first resumes start with the reference and import and build the workload while it
 trains, then wait for it to end before they restore. Cost: the reference trains `steps`
 micro-steps and each resume `steps - K`, so the check's wall time stays under (1 + len(at))
-times the training time plus one process start-up each (`benchmarks/check.py`). The
-parent imports the workload too (to read its `window` and refuse a wrong one early): a
-start-up of its own before the first process starts, which `trainrec check` pays and
-`check_resume` in a process that has imported it does not.
+times the training time plus one process start-up each (`benchmarks/check.py`). A
+workload named by a module this process has not imported (`trainrec check`) is not
+imported here at all, which would add a start-up: the uninterrupted run imports it, refuses
+what `settle` refuses and resolves the defaults, and this process reads those from it.
 The reference keeps one snapshot of the training state per micro-step from the first `at` on,
 in `workdir` (a temporary directory unless given): about (steps - min(at) + 1) times the
 size of a checkpoint.
@@ -350,6 +350,8 @@ def check_resume(
     ref = workload_ref(workload)
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("plot= needs matplotlib: pip install 'trainrec[plot]'")
     reused_dir = None if reference is None else Path(reference)
     tmp = None if workdir else tempfile.TemporaryDirectory(prefix="trainrec-check-")
     wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
@@ -357,16 +359,17 @@ def check_resume(
     try:
         wd.mkdir(parents=True, exist_ok=True)
         if reused_dir is None and not isinstance(workload, Workload) and not _imported(ref):
-            # importing the workload here costs a process start-up: the uninterrupted run
-            # starts first, resolving the defaults as this process does below
+            # importing the workload here would cost a process start-up: the uninterrupted
+            # run imports it, refuses what `settle` refuses and resolves the defaults
             early = _start(["reference", "--workload", ref, "--recorder", recorder,
                             "--workdir", str(wd), "--seed", str(seed),
                             *(["--steps", str(steps)] if steps is not None else []),
                             *(["--window", str(window)] if window is not None else []),
                             "--at", *(map(str, at) if at is not None else ["default"])],
                            wd / "reference", nproc)
+        loaded = workload if isinstance(workload, Workload) else None if early else _load(ref)
         return _check_resume(
-            ref, workload if isinstance(workload, Workload) else _load(ref), at=at, steps=steps,
+            ref, loaded, at=at, steps=steps,
             window=window, recorder=recorder, nproc=nproc, seed=seed, plot=plot,
             without_pending=without_pending, jobs=jobs, timeout=timeout, wd=wd,
             reference=reused_dir, early=early, t_start=t_start)
@@ -377,6 +380,49 @@ def check_resume(
                 proc.communicate()
         if tmp is not None:
             tmp.cleanup()
+
+
+def settle(loaded: Any, at: Sequence[int] | None, steps: int | None, window: int | None,
+           recorder: str) -> tuple[int, int, list[int]]:
+    """`(steps, window, ats)` of a check of `loaded`, the defaults filled in; `TypeError`
+    for an object that is no Workload, `ValueError` for an impossible setting."""
+    missing = [n for n in ("state_type", "build", "micro_step", "apply_window") if not hasattr(loaded, n)]
+    if missing:
+        raise TypeError(f"{type(loaded).__name__} is not a trainrec Workload (it has no {', '.join(missing)})")
+    window = int(getattr(loaded, "window", 4)) if window is None else window
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    steps = 3 * window if steps is None else steps
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2, got {steps}")
+    ats = sorted(set(default_ats(steps, window) if at is None else at))
+    bad = [k for k in ats if not 0 < k < steps]
+    if not ats or bad:
+        raise ValueError(f"each at must be in 0 < K < steps={steps}; got {bad or 'none'}")
+    named_recorder(loaded, recorder)  # ValueError for a name it does not know
+    return steps, window, ats
+
+
+def _await_resolved(early: _Started, timeout: float) -> tuple[int, int, list[int]]:
+    """What the early uninterrupted run resolved (its rank 0's `.resolved.json`, written
+    once it imported the workload); its refusal as `ValueError` / `TypeError`, its failure
+    as `WorkloadError`."""
+    proc, out = early[0]
+    resolved = out.with_name(out.stem + ".resolved.json")
+    deadline = time.monotonic() + timeout
+    while not resolved.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if resolved.exists():
+                break
+            result = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+            if "usage" in result:
+                raise (TypeError if result.get("usage_type") == "TypeError" else ValueError)(
+                    result["usage"])
+            _finish(early, 0.1, "uninterrupted run")  # raises the failure
+            raise WorkloadError(f"the uninterrupted run did not start in {timeout:g} s")
+        time.sleep(0.02)
+    got = json.loads(resolved.read_text(encoding="utf-8"))
+    return int(got["steps"]), int(got["window"]), [int(k) for k in got["at"]]
 
 
 def _imported(ref: str) -> bool:
@@ -403,24 +449,11 @@ def _check_resume(
     without_pending: bool | None, jobs: int, timeout: float, wd: Path, reference: Path | None,
     early: _Started | None, t_start: float,
 ) -> ResumeReport:
-    missing = [n for n in ("state_type", "build", "micro_step", "apply_window") if not hasattr(loaded, n)]
-    if missing:
-        raise TypeError(f"{type(loaded).__name__} is not a trainrec Workload (it has no {', '.join(missing)})")
-    window = int(getattr(loaded, "window", 4)) if window is None else window
-    if window < 1:
-        raise ValueError(f"window must be at least 1, got {window}")
-    steps = 3 * window if steps is None else steps
-    if steps < 2:
-        raise ValueError(f"steps must be at least 2, got {steps}")
-    ats = sorted(set(default_ats(steps, window) if at is None else at))
-    bad = [k for k in ats if not 0 < k < steps]
-    if not ats or bad:
-        raise ValueError(f"each at must be in 0 < K < steps={steps}; got {bad or 'none'}")
-    named_recorder(loaded, recorder)  # ValueError for a name it does not know
-    want_plot = plot is not None
-    if want_plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("plot= needs matplotlib: pip install 'trainrec[plot]'")
-    drop = want_plot if without_pending is None else without_pending
+    if loaded is None:  # the uninterrupted run imported it and resolved the defaults
+        steps, window, ats = _await_resolved(early or [], timeout)
+    else:
+        steps, window, ats = settle(loaded, at, steps, window, recorder)
+    drop = plot is not None if without_pending is None else without_pending
 
     settings = {"steps": steps, "window": window, "recorder": recorder, "seed": seed,
                 "nproc": nproc}

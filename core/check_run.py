@@ -37,7 +37,6 @@ from .check_state import (
     as_map,
     compare,
     components_of,
-    load_target,
     named_recorder,
     rng_fields,
 )
@@ -256,16 +255,6 @@ def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[st
             "own_checkpoint": callable(getattr(workload, "load_checkpoint", None))}
 
 
-def _resolve(workload: Workload, a: argparse.Namespace) -> None:
-    """Fill in the defaults `trainrec.check.check_resume` would (a driver that starts the
-    uninterrupted run before it imports the workload leaves them to this process)."""
-    from .check import default_ats
-
-    a.window = int(getattr(workload, "window", 4)) if a.window is None else a.window
-    a.steps = 3 * a.window if a.steps is None else a.steps
-    a.at = sorted(set(default_ats(a.steps, a.window) if a.at == ["default"] else map(int, a.at)))
-
-
 def run_role(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m trainrec.check_run ROLE ...`; writes its result as JSON to
     `--out` (an `{"error": ...}` with the traceback when the workload raised, exit 3)."""
@@ -275,7 +264,9 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="default: three windows")
     p.add_argument("--window", type=int, help="default: the workload's")
     p.add_argument("--at", nargs="+", required=True,
-                   help="micro-steps, or `default` (trainrec.check.default_ats)")
+                   help="micro-steps, or `default` (trainrec.check.default_ats); the role "
+                        "writes what it resolved to OUT's stem + .resolved.json once the "
+                        "workload is imported, or a refusal (`usage`, exit 2) to OUT")
     p.add_argument("--recorder", default="mpk")
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
@@ -289,10 +280,21 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--launched", type=float, help="time.time() when the driver started this")
     a = p.parse_args(argv)
     rank, world = _rank_world()
+    from .check import _load, settle
+
     try:
-        workload = load_target(a.workload)
-        recorder = named_recorder(workload, a.recorder)
-        _resolve(workload, a)
+        try:
+            workload = _load(a.workload)
+            recorder = named_recorder(workload, a.recorder)
+            a.steps, a.window, a.at = settle(
+                workload, None if a.at == ["default"] else [int(k) for k in a.at], a.steps,
+                a.window, a.recorder)
+        except (ValueError, TypeError) as e:  # what check_resume refuses: exit 2 there
+            _write_json(a.out, {"error": f"{type(e).__name__}: {e}", "usage": str(e),
+                                "usage_type": type(e).__name__, "traceback": ""})
+            return 2
+        _write_json(a.out.with_name(a.out.stem + ".resolved.json"),
+                    {"steps": a.steps, "window": a.window, "at": a.at})
         startup = {} if a.launched is None else {"startup_s": time.time() - a.launched}
         result = {**(_reference if a.role == "reference" else _resume)(workload, a, recorder),
                   **startup}

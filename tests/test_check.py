@@ -328,3 +328,16 @@ def test_differences_are_leaf_by_leaf_with_sizes():
     assert got == {"w": 0.5, "n": 2.0, "s": float("inf"), "ids": 6.0, "only_a": float("inf"),
                    "only_b": float("inf")}
     assert differences(a, a) == []
+
+
+def test_the_command_leaves_the_import_to_the_uninterrupted_run_and_keeps_its_exit_codes(tmp_path):
+    # `trainrec check` imports no workload itself (that would cost a process start-up):
+    # the uninterrupted run imports it, refuses what check_resume refuses (exit 2) or fails
+    # to import it (exit 3), and resolves the default --at
+    done = _cli("check_core_loops:NOT_A_WORKLOAD")
+    assert done.returncode == 2 and "is not a trainrec Workload" in done.stderr, done.stderr
+    done = _cli("check_core_loops:NUMPY_LOOP", "--at", "0")
+    assert done.returncode == 2 and "0 < K < steps=12; got [0]" in done.stderr, done.stderr
+    (tmp_path / "raises_on_import.py").write_text("raise ImportError('a dependency is missing')\n")
+    done = _cli("raises_on_import:W", cwd=tmp_path)
+    assert done.returncode == 3 and "a dependency is missing" in done.stderr, done.stderr
