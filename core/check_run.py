@@ -43,14 +43,16 @@ from .check_state import (
 from .fingerprint import fingerprint
 from .items import Item
 from .precision import NativePrecisionSettings
-from .recorders import NamedMpkBytesRecorder, NamedMpkFileRecorder
+from .recorders import NamedMpkBytesRecorder
 from .training import TrainingRecord
 from .workload import Parts, Workload
 
 __all__ = ["run_role"]
 
 _NATIVE = NativePrecisionSettings()
-_SNAPSHOTS = NamedMpkFileRecorder(_NATIVE)
+_SNAPSHOTS = NamedMpkBytesRecorder(_NATIVE)
+"""Snapshots are scratch files, written plainly (no fsync, no rename): the reference's
+result file, written last, is what tells a resume that all of them are there."""
 _MAX_KEYS = 24  # differing keys kept per micro-step (the maximum is over all of them)
 
 
@@ -163,8 +165,8 @@ def _reference(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict
             record = _capture(workload, parts)
             path = _snapshot_path(a.workdir, micro)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _SNAPSHOTS.save_item(_snapshot(workload, parts, record, batches), path,
-                                 "CheckSnapshot")
+            path.write_bytes(_SNAPSHOTS.save_item(_snapshot(workload, parts, record, batches),
+                                                  None, "CheckSnapshot"))
             snap_s += time.perf_counter() - t0
             if micro in ats:
                 extras[str(micro)] = _extras(parts)
@@ -228,7 +230,7 @@ def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[st
     train_s = 0.0
     while True:
         micro = parts.state.micro
-        _, ref = _SNAPSHOTS.read(_snapshot_path(a.workdir, micro))
+        _, ref = _SNAPSHOTS.read(_snapshot_path(a.workdir, micro).read_bytes())
         assert isinstance(ref, dict)
         if loaded is not None:  # what the checkpoint holds, before after_restore ran
             rng = rng_fields(workload, parts.state)
