@@ -119,9 +119,9 @@ def explain(*, at: int, window: int, divergence: Any, differing: Sequence[Any],
                         "micro-steps), the resumed run has none: the workload's own checkpoint "
                         "(save_checkpoint / load_checkpoint) does not bring them back, as "
                         "Lightning's and Accelerate's checkpoints alone do not: add trainrec's "
-                        "ExactResume (`trainrec.adapters.torch.lightning.ExactResume` in "
-                        "Trainer(callbacks=[...]), `trainrec.adapters.torch.accelerate.ExactResume` "
-                        "registered for checkpointing), or save and restore them yourself")
+                        "ExactResume (the torch adapter's `lightning.ExactResume` in "
+                        "Trainer(callbacks=[...]), its `accelerate.ExactResume` registered for "
+                        "checkpointing), or save and restore them yourself")
             if got_n == 0 and ref_n > 0:
                 return (f"pending gradients differ {lead}: the uninterrupted run had gradients of "
                         f"{ref_n} parameters pending in the window ({at % window} of {window} "

@@ -188,7 +188,7 @@ def test_lightning_trainer_with_exact_resume_resumes_exactly_mid_window(lightnin
 def test_lightning_alone_loses_the_pending_gradients_and_the_check_says_so(lightning_reports):
     _assert_named(lightning_reports["LightningAlone"], 0, "pending",
                   ["4 parameters pending", "the resumed run has none", "own checkpoint",
-                   "trainrec.adapters.torch.lightning.ExactResume"])
+                   "`lightning.ExactResume` in Trainer(callbacks=[...])"])
 
 
 def test_ddp_on_two_ranks_resumes_exactly():

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from trainrec import DType
-from trainrec.dtypes import is_bfloat16
 
 __all__ = ["TorchBackend", "to_torch_dtype", "from_torch_dtype", "tensor_to_numpy", "numpy_to_tensor"]
 
@@ -52,7 +51,7 @@ def tensor_to_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
 def numpy_to_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
     """A new CPU tensor holding a copy of `array`."""
     arr = np.array(array, order="C", copy=True)
-    if is_bfloat16(arr.dtype):
+    if arr.dtype.name == "bfloat16" and DType.from_numpy(arr.dtype) is DType.BF16:  # ml_dtypes'
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
 
