@@ -90,12 +90,15 @@ def _diff_text(gap: float) -> str:
 
 def explain(*, at: int, window: int, divergence: Any, differing: Sequence[Any],
             step: dict[str, Any], saved: Sequence[Sequence[Any]], ref_extras: dict[str, Any],
-            got_extras: dict[str, Any], equal_before: Sequence[int]) -> str:
+            got_extras: dict[str, Any], equal_before: Sequence[int],
+            own_checkpoint: bool = False) -> str:
     """The likely cause of `divergence` (a `trainrec.check.Divergence`) and its fix, one
     paragraph. `differing`: every difference at that micro-step; `step`: the resume's record
     of it (pending counts, the batches); `saved`: what the loaded checkpoint holds unlike the
     state it was taken from; `*_extras`: the fingerprints of `Parts.extras` right after the
-    restore and in the uninterrupted run at the same micro-step."""
+    restore and in the uninterrupted run at the same micro-step; `own_checkpoint`: the
+    workload saves and resumes through its own `save_checkpoint` / `load_checkpoint` (a
+    tool's: Lightning's, Accelerate's)."""
     d = divergence
     component, key, micro = d.component, d.key, d.micro_step
     components = list(dict.fromkeys(x.component for x in differing))
@@ -110,6 +113,15 @@ def explain(*, at: int, window: int, divergence: Any, differing: Sequence[Any],
         lead = f"right after the restore at micro-step {at}"
         if component == "pending":
             ref_n, got_n = step["pending"]
+            if got_n == 0 and ref_n > 0 and own_checkpoint:
+                return (f"pending gradients differ {lead}: the uninterrupted run had gradients of "
+                        f"{ref_n} parameters pending in the window ({at % window} of {window} "
+                        "micro-steps), the resumed run has none: the workload's own checkpoint "
+                        "(save_checkpoint / load_checkpoint) does not bring them back, as "
+                        "Lightning's and Accelerate's checkpoints alone do not: add trainrec's "
+                        "ExactResume (the torch adapter's `lightning.ExactResume` in "
+                        "Trainer(callbacks=[...]), its `accelerate.ExactResume` registered for "
+                        "checkpointing), or save and restore them yourself")
             if got_n == 0 and ref_n > 0:
                 return (f"pending gradients differ {lead}: the uninterrupted run had gradients of "
                         f"{ref_n} parameters pending in the window ({at % window} of {window} "

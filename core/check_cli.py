@@ -49,6 +49,11 @@ def add_check_parser(sub: Any) -> None:
                    help="draw each resume's differences per micro-step, beside a resume without "
                         "its pending gradients (needs matplotlib: pip install 'trainrec[plot]')")
     p.add_argument("--workdir", help="keep snapshots and checkpoints here (default: a temp dir)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="compare with the uninterrupted run an earlier check left in its "
+                        "--workdir DIR (same --steps, --window, --recorder, --seed, --nproc, its "
+                        "--at covering these) instead of running it again: only for a workload "
+                        "that differs from that one in its resume code alone")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (600)")
 
 
@@ -59,9 +64,9 @@ def _printable(text: str) -> str:
 
 
 def _target_problem(target: str) -> tuple[int, str]:
-    """(exit code, why) when `target` names no workload, else (0, "")."""
-    from .check_state import load_target
-
+    """(exit code, why) when `target` cannot name a workload, else (0, ""). Imports
+    nothing: `check_resume` starts the uninterrupted run before it imports the workload
+    (and refuses one its module lacks, exit 2, or whose import raises, exit 3)."""
     module, sep, attr = target.rpartition(":")
     if not (sep and module and attr and all(a.isidentifier() for a in attr.split("."))):
         return 2, "expected module:attr (or script.py:attr) naming a trainrec Workload"
@@ -74,15 +79,6 @@ def _target_problem(target: str) -> tuple[int, str]:
             found = None
     if found is None:
         return 2, f"no module named {module!r}"
-    try:
-        workload = load_target(target)
-    except AttributeError as e:
-        return 2, f"{module} has no workload {attr!r} ({e})"
-    except Exception as e:  # the user's module raised while importing or building the instance
-        return 3, f"importing the workload failed: {type(e).__name__}: {e}"
-    missing = [n for n in ("state_type", "build", "micro_step", "apply_window") if not hasattr(workload, n)]
-    if missing:
-        return 2, f"{type(workload).__name__} is not a trainrec Workload (it has no {', '.join(missing)})"
     return 0, ""
 
 
@@ -98,7 +94,7 @@ def run_check(args: argparse.Namespace) -> int:
         report = check_resume(
             args.target, at=args.at, steps=args.steps, window=args.window,
             recorder=args.recorder, nproc=args.nproc, seed=args.seed, plot=args.plot,
-            workdir=args.workdir, timeout=args.timeout)
+            workdir=args.workdir, timeout=args.timeout, reference=args.reference)
     except WorkloadError as e:
         print(f"trainrec check: the workload failed: {e}", file=sys.stderr)
         return 3

@@ -1,5 +1,8 @@
 """The processes of `trainrec check`: `python -m trainrec.check_run ROLE ...`.
 
+Each role reports, besides its result, its start-up: the seconds from its launch
+(`--launched`) until the workload was imported (the interpreter, trainrec, the framework).
+
 - `reference`: trains the workload without stopping for `--steps` micro-steps; from the
   first `--at` on it writes a snapshot of the whole training state after every micro-step
   (model, optimizer, scheduler, pending gradients, caller state, the batch the micro-step
@@ -34,21 +37,22 @@ from .check_state import (
     as_map,
     compare,
     components_of,
-    load_target,
     named_recorder,
     rng_fields,
 )
 from .fingerprint import fingerprint
 from .items import Item
 from .precision import NativePrecisionSettings
-from .recorders import NamedMpkBytesRecorder, NamedMpkFileRecorder
+from .recorders import NamedMpkBytesRecorder
 from .training import TrainingRecord
 from .workload import Parts, Workload
 
 __all__ = ["run_role"]
 
 _NATIVE = NativePrecisionSettings()
-_SNAPSHOTS = NamedMpkFileRecorder(_NATIVE)
+_SNAPSHOTS = NamedMpkBytesRecorder(_NATIVE)
+"""Snapshots are scratch files, written plainly (no fsync, no rename): the reference's
+result file, written last, is what tells a resume that all of them are there."""
 _MAX_KEYS = 24  # differing keys kept per micro-step (the maximum is over all of them)
 
 
@@ -161,8 +165,8 @@ def _reference(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict
             record = _capture(workload, parts)
             path = _snapshot_path(a.workdir, micro)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _SNAPSHOTS.save_item(_snapshot(workload, parts, record, batches), path,
-                                 "CheckSnapshot")
+            path.write_bytes(_SNAPSHOTS.save_item(_snapshot(workload, parts, record, batches),
+                                                  None, "CheckSnapshot"))
             snap_s += time.perf_counter() - t0
             if micro in ats:
                 extras[str(micro)] = _extras(parts)
@@ -173,12 +177,45 @@ def _reference(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict
             break
         batches, took = _step(workload, parts, a.window)
         train_s += took
-    return {"train_s": train_s, "snapshot_s": snap_s, "save_s": save_s, "extras": extras}
+    return {"train_s": train_s, "snapshot_s": snap_s, "save_s": save_s, "extras": extras,
+            "steps": a.steps, "window": a.window, "at": a.at}
+
+
+def _wait_for_reference(after: Path, pids: list[int]) -> None:
+    """Wait until the same rank's uninterrupted run has written its result (then every
+    snapshot and checkpoint is in place); raise when it failed or ended without one."""
+    rank, _ = _rank_world()
+    out = after.with_name(f"{after.name}-r{rank}.json")
+    pid = pids[rank] if rank < len(pids) else None
+    while not out.exists():
+        if pid is not None and not _alive(pid):
+            if out.exists():
+                break
+            raise RuntimeError("the uninterrupted run ended without a result")
+        time.sleep(0.05)
+    if "error" in json.loads(out.read_text(encoding="utf-8")):
+        raise RuntimeError("the uninterrupted run failed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - another user's process took the pid
+        return True
+    try:  # a child of another process that has ended but not been waited for
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[str, Any]:
     (at,) = a.at
     parts = workload.build(a.seed)
+    if a.after is not None:
+        _wait_for_reference(a.after, a.after_pid)
     t0 = time.perf_counter()
     loaded = _restore(workload, parts, recorder, _checkpoint_path(a.workdir, at, recorder),
                       a.drop_pending)
@@ -193,7 +230,7 @@ def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[st
     train_s = 0.0
     while True:
         micro = parts.state.micro
-        _, ref = _SNAPSHOTS.read(_snapshot_path(a.workdir, micro))
+        _, ref = _SNAPSHOTS.read(_snapshot_path(a.workdir, micro).read_bytes())
         assert isinstance(ref, dict)
         if loaded is not None:  # what the checkpoint holds, before after_restore ran
             rng = rng_fields(workload, parts.state)
@@ -216,7 +253,8 @@ def _resume(workload: Workload, a: argparse.Namespace, recorder: Any) -> dict[st
         batches, took = _step(workload, parts, a.window)
         train_s += took
     return {"at": at, "saved": saved, "steps": steps, "extras": extras, "train_s": train_s,
-            "restore_s": restore_s}
+            "restore_s": restore_s,
+            "own_checkpoint": callable(getattr(workload, "load_checkpoint", None))}
 
 
 def run_role(argv: Sequence[str] | None = None) -> int:
@@ -225,20 +263,43 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainrec.check_run")
     p.add_argument("role", choices=["reference", "resume"])
     p.add_argument("--workload", required=True, help="module:attr naming the workload")
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--window", type=int, required=True)
-    p.add_argument("--at", type=int, nargs="+", required=True)
+    p.add_argument("--steps", type=int, help="default: three windows")
+    p.add_argument("--window", type=int, help="default: the workload's")
+    p.add_argument("--at", nargs="+", required=True,
+                   help="micro-steps, or `default` (trainrec.check.default_ats); the role "
+                        "writes what it resolved to OUT's stem + .resolved.json once the "
+                        "workload is imported, or a refusal (`usage`, exit 2) to OUT")
     p.add_argument("--recorder", default="mpk")
     p.add_argument("--workdir", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drop-pending", action="store_true")
+    p.add_argument("--after", type=Path, help="resume: wait for the uninterrupted run's "
+                   "result (AFTER-r{rank}.json) before the restore")
+    p.add_argument("--after-pid", type=int, nargs="+", default=[],
+                   help="the uninterrupted run's process of each rank (one that ended without a "
+                        "result fails the resume)")
+    p.add_argument("--launched", type=float, help="time.time() when the driver started this")
     a = p.parse_args(argv)
     rank, world = _rank_world()
+    from .check import _load, settle
+
     try:
-        workload = load_target(a.workload)
-        recorder = named_recorder(workload, a.recorder)
-        result = (_reference if a.role == "reference" else _resume)(workload, a, recorder)
+        try:
+            workload = _load(a.workload)
+            recorder = named_recorder(workload, a.recorder)
+            a.steps, a.window, a.at = settle(
+                workload, None if a.at == ["default"] else [int(k) for k in a.at], a.steps,
+                a.window, a.recorder)
+        except (ValueError, TypeError) as e:  # what check_resume refuses: exit 2 there
+            _write_json(a.out, {"error": f"{type(e).__name__}: {e}", "usage": str(e),
+                                "usage_type": type(e).__name__, "traceback": ""})
+            return 2
+        _write_json(a.out.with_name(a.out.stem + ".resolved.json"),
+                    {"steps": a.steps, "window": a.window, "at": a.at})
+        startup = {} if a.launched is None else {"startup_s": time.time() - a.launched}
+        result = {**(_reference if a.role == "reference" else _resume)(workload, a, recorder),
+                  **startup}
     except BaseException as e:  # the workload's own failure, reported to the driver
         import traceback
 

@@ -1,17 +1,19 @@
 """Element types of recorded tensors, independent of any framework.
 
-Host arrays are numpy arrays; bfloat16 comes from `ml_dtypes`. On disk every dtype is
-named by its short code (`"f32"`, `"bf16"`, ...), always little-endian.
+Host arrays are numpy arrays; bfloat16 comes from `ml_dtypes`, imported the first time a
+bfloat16 is needed (importing it costs more than the rest of trainrec: a run without bf16
+never pays it). On disk every dtype is named by its short code (`"f32"`, `"bf16"`, ...),
+always little-endian.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 
-import ml_dtypes
 import numpy as np
 
-__all__ = ["DType", "FloatDType"]
+__all__ = ["DType", "FloatDType", "is_bfloat16"]
 
 
 class DType(enum.Enum):
@@ -34,11 +36,11 @@ class DType(enum.Enum):
     @property
     def numpy(self) -> np.dtype[np.generic]:
         """The little-endian numpy dtype holding this element type."""
-        return _NUMPY[self]
+        return _NUMPY[self] if self is not DType.BF16 else _bfloat16()
 
     @property
     def itemsize(self) -> int:
-        return int(_NUMPY[self].itemsize)
+        return 2 if self is DType.BF16 else int(_NUMPY[self].itemsize)
 
     @property
     def is_float(self) -> bool:
@@ -69,6 +71,8 @@ class DType(enum.Enum):
         for member, candidate in _NUMPY.items():
             if nd == candidate or nd == candidate.newbyteorder(">"):
                 return member
+        if is_bfloat16(nd):
+            return DType.BF16
         raise TypeError(
             f"numpy dtype {nd} cannot be recorded; supported: "
             + ", ".join(m.value for m in cls)
@@ -92,7 +96,6 @@ _NUMPY: dict[DType, np.dtype[np.generic]] = {
     DType.F64: np.dtype("<f8"),
     DType.F32: np.dtype("<f4"),
     DType.F16: np.dtype("<f2"),
-    DType.BF16: np.dtype(ml_dtypes.bfloat16),
     DType.I64: np.dtype("<i8"),
     DType.I32: np.dtype("<i4"),
     DType.I16: np.dtype("<i2"),
@@ -103,6 +106,25 @@ _NUMPY: dict[DType, np.dtype[np.generic]] = {
     DType.U64: np.dtype("<u8"),
     DType.BOOL: np.dtype("?"),
 }
+"""The numpy dtype of each DType but BF16 (`_bfloat16()`, imported when first needed)."""
+
+
+def _bfloat16() -> np.dtype[np.generic]:
+    import ml_dtypes
+
+    bf16: np.dtype[np.generic] = np.dtype(ml_dtypes.bfloat16)
+    return bf16
+
+
+def is_bfloat16(dtype: np.dtype[np.generic] | type) -> bool:
+    """Whether `dtype` is ml_dtypes' bfloat16 (without importing ml_dtypes when nothing
+    has: then no array can have that dtype)."""
+    if "ml_dtypes" not in sys.modules:
+        return False
+    nd = np.dtype(dtype)
+    return bool(nd == _bfloat16() or nd == _bfloat16().newbyteorder(">"))
+
+
 _FLOATS = frozenset({DType.F64, DType.F32, DType.F16, DType.BF16})
 _SIGNED_INTS = frozenset({DType.I64, DType.I32, DType.I16, DType.I8})
 _INTS = _SIGNED_INTS | {DType.U8, DType.U16, DType.U32, DType.U64}

@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -57,7 +56,8 @@ FORMAT = "trainrec.flax"
 VERSION = (2, 0)
 MAX_CHUNK_SIZE = 2**30
 _CHUNKED = "__msgpack_chunked_array__"
-_NAMES = {d.numpy.name: d for d in DType}  # "float32", "bfloat16", "bool", ...
+_NAMES = {("bfloat16" if d is DType.BF16 else d.numpy.name): d for d in DType}  # "float32", "bfloat16", ...
+# (bfloat16 by its name: its numpy dtype imports ml_dtypes, needed only for a bf16 array)
 
 
 def _ext(arr: np.ndarray[Any, Any]) -> msgpack.ExtType:
@@ -272,8 +272,7 @@ def _decode_array(ext: Ext, source: str, key: str) -> np.ndarray[Any, Any]:
         raise fail(f"{name} array of shape {shape} needs {count * dtype.itemsize} bytes, has {raw.nbytes}")
     if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 2**63:
         raise fail(f"shape {shape} is larger than any array can be")
-    np_dtype = ml_dtypes.bfloat16 if dtype is DType.BF16 else dtype.numpy
-    return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype.numpy).reshape(shape)
 
 
 def _convert(node: Any, key: str, source: str, depth: int) -> Item:

@@ -126,3 +126,201 @@ class DDPLoop(trainrec.Workload):
 class DDPRngNotApplied(DDPLoop):
     def after_restore(self, parts: Parts) -> None:
         pass
+
+
+# -- Lightning: a Trainer's own loop, paused after every batch ---------------------------------
+
+
+class FitStepper:
+    """Drives `trainer.fit` one training batch at a time, for a `Workload` whose loop is
+    Lightning's: the fit runs in a thread of its own, and the `Callback` this gives
+    (`callback`, last in the Trainer's list) pauses it at `on_train_start` (after Lightning
+    and `ExactResume` restored everything a checkpoint holds) and at every
+    `on_train_batch_end` (where Lightning's own `ModelCheckpoint(every_n_train_steps=...)`
+    saves). `start(fit)` runs `fit()` up to its first pause; `step()` lets it train one
+    batch (the optimizer steps inside it at a window's end, as Lightning steps); `call(fn)`
+    runs `fn()` in the paused fit thread, where Lightning expects `trainer.save_checkpoint`.
+    The two threads never run at once: the driver's reads of the model, optimizer and
+    `.grad` see the state Lightning left at the pause."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import lightning.pytorch as pl
+
+        stepper = self
+
+        class Pause(pl.Callback):
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                stepper._pause()
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                   batch_idx: int) -> None:
+                stepper._pause()
+
+        self.callback = Pause()
+        self._turn = threading.Condition()
+        self._fit_runs = False  # whose turn it is: the fit thread's or the driver's
+        self._task: Any = None
+        self._failure: BaseException | None = None
+        self._ended = False
+
+    def _pause(self) -> None:  # in the fit thread
+        while True:
+            with self._turn:
+                self._fit_runs = False
+                self._turn.notify_all()
+                self._turn.wait_for(lambda: self._fit_runs)
+                task, self._task = self._task, None
+            if task is None:
+                return
+            task()  # a call(fn): run it here, then pause again
+
+    def _hand_over(self, task: Any = None) -> None:  # in the driver
+        with self._turn:
+            self._task, self._fit_runs = task, True
+            self._turn.notify_all()
+            self._turn.wait_for(lambda: not self._fit_runs)
+        if self._failure is not None:
+            raise RuntimeError("trainer.fit raised") from self._failure
+        if self._ended:
+            raise RuntimeError("trainer.fit ended before the check's last micro-step: give it "
+                               "more max_epochs")
+
+    def start(self, fit: Any) -> None:
+        import threading
+
+        def run() -> None:
+            try:
+                fit()
+            except BaseException as e:  # noqa: BLE001 - handed to the driver
+                self._failure = e
+            with self._turn:
+                self._ended, self._fit_runs = True, False
+                self._turn.notify_all()
+
+        with self._turn:
+            self._fit_runs = True
+        threading.Thread(target=run, daemon=True, name="trainer.fit").start()
+        with self._turn:
+            self._turn.wait_for(lambda: not self._fit_runs)
+        if self._failure is not None:
+            raise RuntimeError("trainer.fit raised") from self._failure
+
+    def step(self) -> None:
+        self._hand_over()
+
+    def call(self, fn: Any) -> None:
+        self._hand_over(fn)
+
+
+@trainrec.record
+class LightningState:  # your counters, kept by ExactResume
+    micro: int
+
+
+class LightningLoop(trainrec.Workload):
+    """A LightningModule trained by `Trainer(accumulate_grad_batches=4)` with trainrec's
+    `ExactResume`: AdamW, a cosine schedule stepped every optimizer step, dropout, a
+    shuffled `StatefulDataLoader` of 8 batches an epoch with its own generator. The
+    checkpoint is Lightning's own (`trainer.save_checkpoint` in `on_train_batch_end`, in
+    the middle of a window), the resume Lightning's own (`trainer.fit(ckpt_path=...)`).
+
+    Lightning runs its loop itself, so `micro_step` cannot call one: a `FitStepper` runs
+    `trainer.fit` in a thread paused after every batch, and `micro_step` lets it train one;
+    the window's optimizer step happens inside the batch that ends it (`apply_window` does
+    nothing). The fit starts at the first micro-step (`optimizer` and `scheduler` exist
+    once Lightning called `configure_optimizers`), or at the restore."""
+
+    state_type = LightningState
+    window = 4
+    exact_resume = True
+
+    def build(self, seed: int) -> Parts:
+        import lightning.pytorch as pl
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        class Net(pl.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+
+            def training_step(self, batch: Any, batch_idx: int) -> Any:
+                x, y = batch
+                return nn.functional.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self) -> Any:
+                opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+                cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+        pl.seed_everything(seed, verbose=False)
+        x = torch.randn(32, 8)
+        data = StatefulDataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                                  batch_size=4, shuffle=True,
+                                  generator=torch.Generator().manual_seed(seed + 1))
+        model, state, stepper = Net(), LightningState(micro=0), FitStepper()
+        keep = self.keeper(state)
+        trainer = pl.Trainer(max_epochs=100, accumulate_grad_batches=self.window,
+                             accelerator="cpu", callbacks=[keep, stepper.callback], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, deterministic=True)
+        return Parts(model, None, None, state,
+                     extras={"trainer": trainer, "stepper": stepper, "loader": data, "keep": keep})
+
+    def keeper(self, state: Any) -> Any:
+        """The callback that keeps the state (and the pending gradients) in the checkpoint."""
+        from trainrec.adapters.torch.lightning import ExactResume
+
+        return ExactResume(state=state)
+
+    def _fit(self, parts: Parts, ckpt_path: str | None) -> None:
+        trainer = parts.extras["trainer"]
+        parts.extras["stepper"].start(
+            lambda: trainer.fit(parts.model, train_dataloaders=parts.extras["loader"],
+                                ckpt_path=ckpt_path))
+        parts.optimizer = trainer.optimizers[0]
+        parts.scheduler = trainer.lr_scheduler_configs[0].scheduler
+
+    def micro_step(self, parts: Parts) -> None:
+        if parts.optimizer is None:
+            self._fit(parts, None)
+        parts.extras["stepper"].step()
+
+    def apply_window(self, parts: Parts, window: int) -> None:
+        pass  # Lightning stepped the optimizer and the scheduler in the window's last batch
+
+    def save_checkpoint(self, parts: Parts, path: Path) -> None:
+        trainer = parts.extras["trainer"]
+        parts.extras["stepper"].call(lambda: trainer.save_checkpoint(str(path)))
+
+    def load_checkpoint(self, parts: Parts, path: Path) -> None:
+        self._fit(parts, str(path))
+        parts.state = parts.extras["keep"].state
+
+
+class Counters:
+    """What a Lightning user keeps counters with, without trainrec: a stateful callback."""
+
+    def __new__(cls, state: Any) -> Any:
+        import lightning.pytorch as pl
+
+        class CountersCallback(pl.Callback):
+            def __init__(self) -> None:
+                self.state = state
+
+            def state_dict(self) -> dict[str, Any]:
+                return {"micro": self.state.micro}
+
+            def load_state_dict(self, sd: dict[str, Any]) -> None:
+                self.state = LightningState(micro=sd["micro"])
+
+        return CountersCallback()
+
+
+class LightningAlone(LightningLoop):
+    """The same loop checkpointed by Lightning alone (its counters in a stateful callback):
+    Lightning's checkpoint holds no `.grad`, so the window's pending gradients are lost."""
+
+    def keeper(self, state: Any) -> Any:
+        return Counters(state)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -45,14 +44,14 @@ def from_torch_dtype(dtype: torch.dtype) -> DType:
 def tensor_to_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
     """A numpy view of a CPU tensor (bf16 through ml_dtypes); the caller owns `t`."""
     if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(torch.int16).numpy().view(DType.BF16.numpy)
     return t.numpy()
 
 
 def numpy_to_tensor(array: np.ndarray[Any, Any]) -> torch.Tensor:
     """A new CPU tensor holding a copy of `array`."""
     arr = np.array(array, order="C", copy=True)
-    if arr.dtype == ml_dtypes.bfloat16:
+    if arr.dtype.name == "bfloat16" and DType.from_numpy(arr.dtype) is DType.BF16:  # ml_dtypes'
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
 
