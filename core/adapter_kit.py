@@ -13,7 +13,7 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
   `kind_mismatches`, and the errors `RecordMismatchError`, `CorruptRecordError`;
   comparing what identifies a schedule or hyperparameters, with `allow_changes`
   (section 2): `Change`, `field_changes`, `same_value`, `settle`, `unchecked`,
-  `parse_changes`, `ABSENT`, `UncheckedIdentityWarning`;
+  `parse_changes`, `for_component`, `ABSENT`, `UncheckedIdentityWarning`;
 - item trees and the one walker over them: `Item`, `walk`, `walk_pairs`, `map_tree`,
   `map_leaves`, `path_of`, `iter_tensors`, `map_tensors`, `join_key`, `check_item`,
   `compare_items`;
@@ -48,6 +48,7 @@ from .changes import (
     Change,
     UncheckedIdentityWarning,
     field_changes,
+    for_component,
     parse_changes,
     same_value,
     settle,
@@ -181,6 +182,7 @@ __all__ = [
     "crc32",
     "expect_kind",
     "field_changes",
+    "for_component",
     "header_fields",
     "iter_tensors",
     "join_key",
