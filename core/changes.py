@@ -57,9 +57,10 @@ class Change:
     path: str
     recorded: Item
     live: Item
+    text: str = ""  # how to say it, when not `PATH: RECORDED in the record, LIVE live`
 
     def __str__(self) -> str:
-        return f"{self.path}: {show(self.recorded)} in the record, {show(self.live)} live"
+        return self.text or f"{self.path}: {show(self.recorded)} in the record, {show(self.live)} live"
 
 
 def parse_changes(allow_changes: Iterable[str] | None) -> frozenset[str]:
@@ -123,12 +124,17 @@ def settle(changes: list[Change], fields: Iterable[str], allow: frozenset[str],
 
 
 def suggest(path: str) -> str:
-    """The `allow_changes` entry a message suggests for a difference at `path`: the path,
-    without a torch param group's `param_groups.N` (the entry then allows every group's)."""
+    """The `allow_changes` entry a message suggests for a difference at `path`: the path
+    without what locates the field in a list that a live optimizer may hold several of (a
+    torch `param_groups.N`, an optax `#identity.N`), so that it reads as the field's name
+    (and allows it in each of them)."""
     parts = path.split(".")
-    if len(parts) > 3 and parts[1] == "param_groups" and parts[2].isdigit():
-        parts = parts[:1] + parts[3:]
-    return ".".join(parts)
+    for i in range(1, len(parts) - 2):
+        if parts[i] in ("param_groups", "#identity") and parts[i + 1].isdigit():
+            return ".".join(parts[:i] + parts[i + 2:])
+    if len(parts) > 2 and parts[1] == "#identity":
+        return ".".join(parts[:1] + parts[2:])
+    return path
 
 
 def unchecked(fields: list[str], allow: frozenset[str], what: str) -> None:

@@ -96,7 +96,6 @@ from trainrec.adapter_kit import (
 )
 
 from .bindings import TorchLrScheduler, TorchOptimizer, encode
-from .identity import hyperparameter_fields, take_live_hyperparameters
 from .dcp_metadata import METADATA, check_chunks, file_digest, open_regular, read_metadata
 from .dcp_state import (
     Backup,
@@ -116,6 +115,7 @@ from .distributed import (
     read_manifest,
     timeout_seconds,
 )
+from .identity import hyperparameter_fields, take_live_hyperparameters
 from .wrappers import is_dtensor, named_parameters
 
 __all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
