@@ -549,6 +549,7 @@ def without_identity(item: Item, tx: Any, opt_state: Any,
         fields += leaf_paths(item[IDENTITY_KEY], at_identity) + leaf_paths(live, at_identity)
     else:
         unchecked([at_identity], allow, "the optax optimizer (its transforms and hyperparameters)")
+        fields += leaf_paths(identity_of(tx), at_identity)  # what allow_changes may name
     if STATE_TYPES_KEY in item:
         live_types = state_types_of(opt_state)
         found += changes(item[STATE_TYPES_KEY], live_types, at_types)

@@ -460,12 +460,14 @@ class TorchLrScheduler:
         elif identity is not None:
             raise RecordMismatchError(f"{IDENTITY_KEY} must be a map, got {type(identity).__name__}",
                                       key=f"scheduler.{IDENTITY_KEY}")
-        elif warn:  # an older record: what only the identity says goes unchecked, said
-            extra = sorted({".".join(p.split(".")[:2]) for p in flatten(live_identity, "scheduler")
-                            if p != "scheduler.class"})
-            unchecked(extra, allow, f"the {self.kind} schedule")
+        unknown: set[str] = set()  # an older record: what only the identity says, unchecked
+        if identity is None:
+            unknown = {p for p in flatten(live_identity, "scheduler") if p != "scheduler.class"}
+            if warn:
+                unchecked(sorted({".".join(p.split(".")[:2]) for p in unknown}), allow,
+                          f"the {self.kind} schedule")
         accepted = settle(field_changes(recorded_fields, live_fields),
-                          set(recorded_fields) | set(live_fields), allow, f"the fields of the live {self.kind} schedule",
+                          set(recorded_fields) | set(live_fields) | unknown, allow, f"the fields of the live {self.kind} schedule",
                           "Build the scheduler as the recorded run did.")
         return state, live, accepted
 
