@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
-from torch.optim import lr_scheduler as L  # noqa: E402
+from torch.optim import lr_scheduler as L  # noqa: E402, N812
 
 import trainrec  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
@@ -206,7 +206,7 @@ def test_the_same_schedule_rebuilt_resumes_exactly(name):
     rec = _record(*src)
     model, opt, sched = _fresh(_adamw(), make)
     rec.restore(model, opt, sched, "cpu")
-    for (m, o, s) in (src, (model, opt, sched)):
+    for (_, o, s) in (src, (model, opt, sched)):
         o.step()
         if isinstance(s, L.ReduceLROnPlateau):
             s.step(1.0)
