@@ -243,12 +243,20 @@ class TrainingRecord(Generic[U]):
                 f"the record holds the state of an LR scheduler ({self.scheduler.kind}) but "
                 "scheduler=None was given: build the scheduler on the optimizer as the recorded "
                 f"run did and pass it{said}", key="scheduler")
-        o.check_record(self.optimizer, m, **o_kw)
         if s is not None and self.scheduler is None:
             raise RecordMismatchError("the record holds no scheduler state but a scheduler was given",
                                       key="scheduler")
-        if s is not None and self.scheduler is not None:
-            s.check_record(self.scheduler, **s_kw)
+        refused: list[RecordMismatchError] = []  # the optimizer's and the scheduler's, said at once
+        for check in (lambda: o.check_record(self.optimizer, m, **o_kw),
+                      lambda: None if s is None else s.check_record(self.scheduler, **s_kw)):
+            try:
+                check()
+            except RecordMismatchError as e:
+                refused.append(e)
+        if len(refused) == 1:
+            raise refused[0]
+        if refused:
+            raise RecordMismatchError("; and ".join(str(e) for e in refused)) from refused[0]
         _check_grads(self.grads, m)
         accumulator: GradientsAccumulator[Any] = GradientsAccumulator(backend=m.backend)
         placements = getattr(m, "param_placements", None)  # optional: JAX shardings
