@@ -247,8 +247,10 @@ class TrainingRecord(Generic[U]):
             raise RecordMismatchError("the record holds no scheduler state but a scheduler was given",
                                       key="scheduler")
         refused: list[RecordMismatchError] = []  # the optimizer's and the scheduler's, said at once
-        for check in (lambda: o.check_record(self.optimizer, m, **o_kw),
-                      lambda: None if s is None else s.check_record(self.scheduler, **s_kw)):
+        checks: list[Callable[[], None]] = [lambda: o.check_record(self.optimizer, m, **o_kw)]
+        if s is not None:
+            checks.append(lambda: s.check_record(self.scheduler, **s_kw))
+        for check in checks:
             try:
                 check()
             except RecordMismatchError as e:

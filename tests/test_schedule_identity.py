@@ -505,3 +505,43 @@ def test_functools_partial_identity_names_the_function_and_keywords():
 
     ident = function_identity(functools.partial(f, a=1))
     assert ident == {"fn": f"{__name__}.{f.__qualname__}", "args": [], "keywords": {"a": 1}}
+
+
+# -- Accelerate: its scheduler.bin and optimizer.bin, checked before it loads them ------------
+
+def test_accelerate_load_state_refuses_another_schedule_before_it_loads_anything(tmp_path):
+    accelerate = pytest.importorskip("accelerate")
+    from trainrec.adapters.torch.accelerate import ExactResume
+
+    def build(total, weight_decay=0.01, allow=None):
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=weight_decay)
+        sched = _cosine(total=total)(opt)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        accelerator.register_for_checkpointing(ExactResume(accelerator, model, allow_changes=allow))
+        return accelerator, model, opt, sched
+
+    accelerator, model, opt, sched = build(20)
+    for _ in range(3):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.ones(2, 4)).sum())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    saved_epoch = sched.scheduler.last_epoch
+
+    accelerator, model, opt, sched = build(200, weight_decay=0.3)
+    before = _snapshot(model, opt.optimizer, sched.scheduler)
+    with pytest.raises(RecordMismatchError, match=r"weight_decay: 0\.01 in the record, 0\.3 live.*"
+                                                  r"num_training_steps: 20 in the record, 200 live"):
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    assert _unchanged(before, model, opt.optimizer, sched.scheduler)
+
+    accelerator, model, opt, sched = build(200, weight_decay=0.3,
+                                           allow={"optimizer.weight_decay", "scheduler.num_training_steps"})
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert opt.optimizer.param_groups[0]["weight_decay"] == 0.3
+    assert sched.scheduler.last_epoch == saved_epoch
+    assert sched.scheduler.lr_lambdas[0].keywords["num_training_steps"] == 200

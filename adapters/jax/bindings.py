@@ -640,6 +640,7 @@ class JaxLrScheduler:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise RecordMismatchError(f"count must be an int >= 0, got {count!r}", key="scheduler")
         at = f"scheduler.{IDENTITY_KEY}"
+        assert isinstance(item, dict)  # `count` was found in it
         if IDENTITY_KEY in item:
             live = schedule_identity(self.schedule)
             settle(changes(item[IDENTITY_KEY], live, at), leaf_paths(item[IDENTITY_KEY], at) + leaf_paths(live, at),

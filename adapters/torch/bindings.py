@@ -23,6 +23,7 @@ from torch import nn
 
 from trainrec import RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import (
+    Change,
     Item,
     check_tensor_map,
     expect_kind,
@@ -441,35 +442,43 @@ class TorchLrScheduler:
         """(the record's state dict item, the live state dict, the fields allowed to
         differ, whose live values the load keeps)."""
         item = expect_kind(record, self.kind, "scheduler")
+        state, live, changes, fields, unknown = self.compare(item)
+        if unknown and warn:
+            unchecked(sorted({".".join(p.split(".")[:2]) for p in unknown}), allow, f"the {self.kind} schedule")
+        accepted = settle(changes, fields | unknown, allow, f"the fields of the live {self.kind} schedule",
+                          "Build the scheduler as the recorded run did.")
+        return state, live, accepted
+
+    def compare(self, item: Item, path: str = "scheduler") -> tuple[
+            dict[str, Any], dict[str, Any], list[Change], set[str], set[str]]:
+        """A scheduler record's item against the live scheduler: (its state dict item, the
+        live state dict, the fields that differ, every field compared, the fields only an
+        identity would say and the item has none: an older record's). `RecordMismatchError`
+        for a state dict of other keys (another class) or a malformed identity."""
         live = self.scheduler.state_dict()
         identity = item.get(IDENTITY_KEY) if isinstance(item, dict) else None
         state = {k: v for k, v in item.items() if k != IDENTITY_KEY} if isinstance(item, dict) else item
         if not isinstance(state, dict) or set(state) != set(live):
             raise RecordMismatchError(
                 f"scheduler state keys differ: record {sorted(state) if isinstance(state, dict) else state!r}, "
-                f"live {sorted(live)}", key="scheduler")
+                f"live {sorted(live)}", key=path)
         children = getattr(self.scheduler, "_schedulers", None)
         live_children = [type(c) for c in children] if isinstance(children, (list, tuple)) else None
         self._check_children(state, live)
         live_identity = identity_of(self.scheduler)
-        recorded_fields = scheduler_fields(state, type(self.scheduler), live_children)
-        live_fields = scheduler_fields(encode(live), type(self.scheduler), live_children)
+        recorded_fields = scheduler_fields(state, type(self.scheduler), live_children, path)
+        live_fields = scheduler_fields(encode(live), type(self.scheduler), live_children, path)
+        unknown: set[str] = set()
         if isinstance(identity, dict):
-            recorded_fields.update(flatten(identity, "scheduler"))
-            live_fields.update(flatten(live_identity, "scheduler"))
+            recorded_fields.update(flatten(identity, path))
+            live_fields.update(flatten(live_identity, path))
         elif identity is not None:
             raise RecordMismatchError(f"{IDENTITY_KEY} must be a map, got {type(identity).__name__}",
-                                      key=f"scheduler.{IDENTITY_KEY}")
-        unknown: set[str] = set()  # an older record: what only the identity says, unchecked
-        if identity is None:
-            unknown = {p for p in flatten(live_identity, "scheduler") if p != "scheduler.class"}
-            if warn:
-                unchecked(sorted({".".join(p.split(".")[:2]) for p in unknown}), allow,
-                          f"the {self.kind} schedule")
-        accepted = settle(field_changes(recorded_fields, live_fields),
-                          set(recorded_fields) | set(live_fields) | unknown, allow, f"the fields of the live {self.kind} schedule",
-                          "Build the scheduler as the recorded run did.")
-        return state, live, accepted
+                                      key=f"{path}.{IDENTITY_KEY}")
+        else:  # an older record: what only the identity says goes unchecked
+            unknown = {p for p in flatten(live_identity, path) if p != f"{path}.class"}
+        return (state, live, field_changes(recorded_fields, live_fields),
+                set(recorded_fields) | set(live_fields), unknown)
 
     @staticmethod
     def _check_children(state: dict[str, Any], live: dict[str, Any]) -> None:
@@ -495,11 +504,11 @@ class TorchLrScheduler:
         state, live, accepted = self._checked(record, allow_changes, warn=False)
         decoded = decode(state, live)
         for path in accepted:
-            _take_live(decoded, live, path.split(".")[1:])
+            take_live(decoded, live, path.split(".")[1:])
         self.scheduler.load_state_dict(decoded)
 
 
-def _take_live(decoded: Any, live: Any, at: list[str]) -> None:
+def take_live(decoded: Any, live: Any, at: list[str]) -> None:
     """Put the live value of the state-dict field at `at` into `decoded` (a field only the
     identity has, such as a function's name, is left: functions are never loaded)."""
     for i, key in enumerate(at):
