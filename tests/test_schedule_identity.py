@@ -545,3 +545,56 @@ def test_accelerate_load_state_refuses_another_schedule_before_it_loads_anything
     assert opt.optimizer.param_groups[0]["weight_decay"] == 0.3
     assert sched.scheduler.last_epoch == saved_epoch
     assert sched.scheduler.lr_lambdas[0].keywords["num_training_steps"] == 200
+
+
+# -- Lightning: its optimizer_states and lr_schedulers, checked before it loads them -----------
+
+def test_lightning_refuses_another_schedule_with_the_weights_put_back(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from trainrec.adapters.torch.lightning import ExactResume
+
+    class Net(pl.LightningModule):
+        def __init__(self, seed, total, weight_decay=0.01):
+            super().__init__()
+            self.net, self.total, self.weight_decay = _model(seed), total, weight_decay
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=self.weight_decay)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": _cosine(total=self.total)(opt),
+                                                       "interval": "step"}}
+
+    class SaveAndStop(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 3:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+                trainer.should_stop = True
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+
+    def trainer(*callbacks, allow=None):
+        return pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[ExactResume(rng=False, allow_replay=True, allow_changes=allow), *callbacks])
+
+    trainer(SaveAndStop()).fit(Net(0, 20), data)
+    module = Net(1, 200, weight_decay=0.3)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(RecordMismatchError, match=r"weight_decay: 0\.01 in the record, 0\.3 live.*"
+                                                  r"num_training_steps: 20 in the record, 200 live"):
+        trainer().fit(module, data, ckpt_path=tmp_path / "mid.ckpt")
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+    class Look(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.seen = (trainer.optimizers[0].param_groups[0]["weight_decay"],
+                         trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0].keywords["num_training_steps"],
+                         trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+            trainer.should_stop = True
+
+    look = Look()
+    trainer(look, allow={"optimizer.weight_decay", "scheduler.num_training_steps"}).fit(
+        Net(1, 200, weight_decay=0.3), data, ckpt_path=tmp_path / "mid.ckpt")
+    assert look.seen == (0.3, 200, 4)
