@@ -10,6 +10,7 @@ Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 from ._version import __version__
 from .accumulator import GradientsAccumulator
 from .array_api import ArrayApiAdapter, ArrayApiBackend
+from .changes import UncheckedIdentityWarning
 from .check import ResumeReport, check_resume
 from .convert import register_neutral_form
 from .dtypes import DType, FloatDType
@@ -118,6 +119,7 @@ __all__ = [
     "TensorData",
     "ShardedTensor",
     "TrainingRecord",
+    "UncheckedIdentityWarning",
     "UnsupportedVersionError",
     "Workload",
     "adapt",

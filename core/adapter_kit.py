@@ -11,6 +11,9 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
   `record`;
 - checking a record before loading it (section 2): `expect_kind`, `check_tensor_map`,
   `kind_mismatches`, and the errors `RecordMismatchError`, `CorruptRecordError`;
+  comparing what identifies a schedule or hyperparameters, with `allow_changes`
+  (section 2): `Change`, `field_changes`, `same_value`, `settle`, `unchecked`,
+  `parse_changes`, `for_component`, `ABSENT`, `UncheckedIdentityWarning`;
 - item trees and the one walker over them: `Item`, `walk`, `walk_pairs`, `map_tree`,
   `map_leaves`, `path_of`, `iter_tensors`, `map_tensors`, `join_key`, `check_item`,
   `compare_items`;
@@ -40,6 +43,17 @@ from . import ptfile
 from ._atomic import atomic_write
 from ._files import json_fits, kind_of, open_regular, read_json
 from .array_api import ArrayApiAdapter, ArrayApiBackend
+from .changes import (
+    ABSENT,
+    Change,
+    UncheckedIdentityWarning,
+    field_changes,
+    for_component,
+    parse_changes,
+    same_value,
+    settle,
+    unchecked,
+)
 from .checksum import crc32
 from .convert import (
     ConversionError,
@@ -107,6 +121,7 @@ from .training import TrainingRecord
 from .workload import Parts, Workload, train_until
 
 __all__ = [
+    "ABSENT",
     "Adapter",
     "ArrayApiAdapter",
     "ArrayApiBackend",
@@ -114,6 +129,7 @@ __all__ = [
     "AutodiffModule",
     "BF16PrecisionSettings",
     "Backend",
+    "Change",
     "ConversionError",
     "CorruptRecordError",
     "CrcWriter",
@@ -152,6 +168,7 @@ __all__ = [
     "ShardIndex",
     "TensorTables",
     "TrainingRecord",
+    "UncheckedIdentityWarning",
     "Workload",
     "adapt",
     "as_count",
@@ -164,6 +181,8 @@ __all__ = [
     "compare_items",
     "crc32",
     "expect_kind",
+    "field_changes",
+    "for_component",
     "header_fields",
     "iter_tensors",
     "join_key",
@@ -176,6 +195,7 @@ __all__ = [
     "open_regular",
     "parse_header",
     "path_arg",
+    "parse_changes",
     "path_of",
     "ptfile",
     "read_json",
@@ -185,9 +205,12 @@ __all__ = [
     "register_neutral_form",
     "reserve_bytes",
     "restore_dtypes",
+    "same_value",
+    "settle",
     "store_tensor",
     "tensors_of",
     "train_until",
+    "unchecked",
     "verify_checksums",
     "walk",
     "walk_pairs",

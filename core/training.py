@@ -8,11 +8,13 @@ live objects before it mutates any of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
 
 from .accumulator import GradientsAccumulator
+from .changes import for_component, parse_changes
 from .errors import CorruptRecordError, LossyPrecisionError, RecorderError, RecordMismatchError
 from .gradients import GradientsParamsRecord
 from .items import Item, check_item
@@ -206,33 +208,63 @@ class TrainingRecord(Generic[U]):
 
     # -- restore ---------------------------------------------------------------------------
 
-    def restore(self, model: Any, optimizer: Any, scheduler: Any, device: Any) -> RestoredTraining[U]:
+    def restore(self, model: Any, optimizer: Any, scheduler: Any, device: Any, *,
+                allow_changes: Iterable[str] | None = None) -> RestoredTraining[U]:
         """Restore onto compatible model, optimizer and scheduler configurations.
 
         Every component is checked first (ParamIds, shapes, dtypes, optimizer kind,
-        scheduler presence); on a `RecorderError` nothing has changed. No scheduler step,
+        scheduler presence, and what identifies the schedule and the optimizer's
+        hyperparameters); on a `RecorderError` nothing has changed. No scheduler step,
         optimizer step or gradient reset is performed. Apply the returned caller state
         before consuming the next training batch. `RestoredTraining.model` is `model`,
         restored in place, except for a native model that cannot be (an equinox module):
-        then it is the new model its adapter built (the bound module's `native`)."""
+        then it is the new model its adapter built (the bound module's `native`).
+
+        A schedule or hyperparameter that differs from the record's (a `T_max`, a
+        `LambdaLR`'s function, a weight decay, optax's `b1`) is a `RecordMismatchError`
+        naming each field and both values. `allow_changes` (e.g. `{"scheduler.T_max",
+        "optimizer.weight_decay"}`) names those you changed on purpose: they keep their
+        live values. `ValueError` for an entry that names no field compared; an adapter
+        that compares no fields refuses a non-empty `allow_changes` with `ValueError`."""
         m, o, s = _bind(model, optimizer, scheduler)
+        allow = parse_changes(allow_changes)
+        o_kw = _changes_kw(o.check_record, allow, "optimizer", o)
+        s_kw = {} if s is None else _changes_kw(s.check_record, allow, "scheduler", s)
+        if s is None and for_component(allow, "scheduler"):
+            raise ValueError("allow_changes names scheduler fields but scheduler=None was given")
         m.check_record(self.model)
-        o.check_record(self.optimizer, m)
-        if (s is None) != (self.scheduler is None):
+        if s is None and self.scheduler is not None:
+            said = ""
+            try:  # what the optimizer's adapter says of it (torch: the groups' initial_lr)
+                o.check_record(self.optimizer, m, **o_kw)
+            except RecordMismatchError as e:
+                said = f"; the optimizer does not fit either: {str(e).removesuffix(f' (key {e.key!r})')}"
             raise RecordMismatchError(
-                "the record holds scheduler state but scheduler=None was given"
-                if s is None
-                else "the record holds no scheduler state but a scheduler was given",
-                key="scheduler",
-            )
-        if s is not None and self.scheduler is not None:
-            s.check_record(self.scheduler)
+                f"the record holds the state of an LR scheduler ({self.scheduler.kind}) but "
+                "scheduler=None was given: build the scheduler on the optimizer as the recorded "
+                f"run did and pass it{said}", key="scheduler")
+        if s is not None and self.scheduler is None:
+            raise RecordMismatchError("the record holds no scheduler state but a scheduler was given",
+                                      key="scheduler")
+        refused: list[RecordMismatchError] = []  # the optimizer's and the scheduler's, said at once
+        checks: list[Callable[[], None]] = [lambda: o.check_record(self.optimizer, m, **o_kw)]
+        if s is not None:
+            checks.append(lambda: s.check_record(self.scheduler, **s_kw))
+        for check in checks:
+            try:
+                check()
+            except RecordMismatchError as e:
+                refused.append(e)
+        if len(refused) == 1:
+            raise refused[0]
+        if refused:
+            raise RecordMismatchError("; and ".join(str(e) for e in refused)) from refused[0]
         _check_grads(self.grads, m)
         accumulator: GradientsAccumulator[Any] = GradientsAccumulator(backend=m.backend)
         placements = getattr(m, "param_placements", None)  # optional: JAX shardings
         accumulator.load_record(self.grads, device, placements=None if placements is None else placements())
         state = self._state_on(device)
-        _write_all(m, o, s, self, device)
+        _write_all(m, o, s, self, device, o_kw, s_kw)
         # an immutable native model (an equinox module) cannot be written into: its bound
         # module holds the restored one as `native`, which the caller gets back instead
         restored = getattr(m, "native", model) if m is not model else model
@@ -246,7 +278,8 @@ class TrainingRecord(Generic[U]):
         )
 
 
-def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], device: Any) -> None:
+def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], device: Any,
+               o_kw: dict[str, Any], s_kw: dict[str, Any]) -> None:
     """Load the three components; if any write fails, put back what they held before.
 
     Everything was checked already, so a failure here is the environment's (a device
@@ -263,7 +296,16 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
         m.load_record(r, device)
 
     def load_optimizer(r: Any) -> None:
-        o.load_record(r, m, device)
+        o.load_record(r, m, device, **o_kw)
+
+    def load_scheduler(r: Any) -> None:
+        s.load_record(r, **s_kw)
+
+    def put_back_optimizer(r: Any) -> None:
+        o.load_record(r, m, device)  # its own state: nothing to allow
+
+    def put_back_scheduler(r: Any) -> None:
+        s.load_record(r)
 
     def backup(component: Any, capture: Callable[[], Any], load: Callable[[Any], None]) -> tuple[Any, Any]:
         """(the backup, how to put it back)"""
@@ -275,10 +317,10 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
     # (how to load a record into the component, its backup and how to put it back, the record)
     steps: list[tuple[Callable[[Any], None], tuple[Any, Any], Any]] = [
         (load_model, backup(m, m.into_record, load_model), record.model),
-        (load_optimizer, backup(o, lambda: o.into_record(m), load_optimizer), record.optimizer),
+        (load_optimizer, backup(o, lambda: o.into_record(m), put_back_optimizer), record.optimizer),
     ]
     if s is not None and record.scheduler is not None:
-        steps.append((s.load_record, backup(s, s.into_record, s.load_record), record.scheduler))
+        steps.append((load_scheduler, backup(s, s.into_record, put_back_scheduler), record.scheduler))
     done = 0
     try:
         for load, _, new in steps:
@@ -305,6 +347,25 @@ def _write_all(m: AutodiffModule, o: Any, s: Any, record: TrainingRecord[Any], d
             f"restore failed while writing into the live objects ({e!r}); they were rolled "
             "back to their previous state"
         ) from e
+
+
+def _changes_kw(method: Callable[..., Any], allow: frozenset[str], component: str,
+                bound: Any) -> dict[str, Any]:
+    """The keyword that passes `allow`'s entries for `component` to a binding's
+    `check_record` / `load_record`; none when there are none, so that an adapter whose
+    methods take no `allow_changes` keeps working; `ValueError` when it takes none and
+    some are given."""
+    mine = for_component(allow, component)
+    if not mine:
+        return {}
+    try:
+        takes = "allow_changes" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise ValueError(f"allow_changes names {component} fields ({', '.join(sorted(mine))}) but "
+                         f"the {component} adapter of {bound.kind} compares none")
+    return {"allow_changes": mine}
 
 
 def _check_accumulator(accumulator: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -29,9 +30,26 @@ from trainrec import (
     StateRecord,
     TensorData,
 )
-from trainrec.adapter_kit import Item, check_tensor_map, expect_kind, kind_mismatches
+from trainrec.adapter_kit import (
+    Change,
+    Item,
+    UncheckedIdentityWarning,
+    check_tensor_map,
+    expect_kind,
+    kind_mismatches,
+    settle,
+    unchecked,
+)
 
-from .identity import IDENTITY_KEY, STATE_TYPES_KEY, differences, identity_of, state_types_of
+from .identity import (
+    IDENTITY_KEY,
+    STATE_TYPES_KEY,
+    changes,
+    identity_of,
+    leaf_paths,
+    schedule_identity,
+    state_types_of,
+)
 from .neutral import TRANSFORMS_KEY
 from .placement import (
     DeletedArrayError,
@@ -509,25 +527,35 @@ def optimizer_identity(tx: Any, opt_state: Any) -> dict[str, Item]:
             STATE_TYPES_KEY: state_types_of(opt_state)}
 
 
-def without_identity(item: Item, tx: Any, opt_state: Any) -> Item:
+def without_identity(item: Item, tx: Any, opt_state: Any,
+                     allow: frozenset[str] = frozenset()) -> Item:
     """`item` (an optimizer record's) without the identity keys, once what they record
-    matches `tx` and `opt_state`; else `RecordMismatchError` naming every difference. A
-    key absent from the record (captured before trainrec kept it) is not checked."""
+    matches `tx` and `opt_state`; else `RecordMismatchError` naming every difference that
+    `allow` (`allow_changes` entries such as `optimizer.b1`) does not allow. A record
+    without them (captured before trainrec kept them) loads with an
+    `UncheckedIdentityWarning`, unless `allow` names `optimizer.#identity`."""
     if not isinstance(item, dict):
         return item
     if TRANSFORMS_KEY in item:
         names = item[TRANSFORMS_KEY]
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise RecordMismatchError("expected a list of transform names", key=f"optimizer.{TRANSFORMS_KEY}")
-    problems: list[str] = []
+    found: list[Change] = []
+    fields: list[str] = []
+    at_identity, at_types = f"optimizer.{IDENTITY_KEY}", f"optimizer.{STATE_TYPES_KEY}"
     if IDENTITY_KEY in item:
-        problems += differences(item[IDENTITY_KEY], identity_of(tx), IDENTITY_KEY)
+        live = identity_of(tx)
+        found += changes(item[IDENTITY_KEY], live, at_identity)
+        fields += leaf_paths(item[IDENTITY_KEY], at_identity) + leaf_paths(live, at_identity)
+    else:
+        unchecked([at_identity], allow, "the optax optimizer (its transforms and hyperparameters)")
+        fields += leaf_paths(identity_of(tx), at_identity)  # what allow_changes may name
     if STATE_TYPES_KEY in item:
-        problems += differences(item[STATE_TYPES_KEY], state_types_of(opt_state), STATE_TYPES_KEY)
-    if problems:
-        raise RecordMismatchError(
-            "the record is of another optimizer than the live one: " + "; ".join(problems)
-            + " (build the optimizer as the recorded run did)", key="optimizer")
+        live_types = state_types_of(opt_state)
+        found += changes(item[STATE_TYPES_KEY], live_types, at_types)
+        fields += leaf_paths(item[STATE_TYPES_KEY], at_types) + leaf_paths(live_types, at_types)
+    settle(found, fields, allow, "the transforms and hyperparameters of the live optax optimizer",
+           "Build the optimizer as the recorded run did.")
     return {k: v for k, v in item.items() if k not in _IDENTITY_KEYS}
 
 
@@ -540,7 +568,9 @@ class JaxOptimizer:
     `every_k_schedule` and `inject_hyperparams`' arguments included) and under
     `#state_types` the optax state types per chain position (`identity.py`). A restore
     into an optimizer whose identity or state types differ is refused, naming the
-    differences; records without them (captured before they were kept) load as before."""
+    differences, unless `allow_changes` names each (`optimizer.b1`: the live `tx` then
+    runs with its own); records without them (captured before they were kept) load with
+    an `UncheckedIdentityWarning`."""
 
     kind = "optax.GradientTransformation"
 
@@ -555,12 +585,14 @@ class JaxOptimizer:
         item.update(optimizer_identity(self.tx, self.opt_state))
         return StateRecord(self.kind, item)
 
-    def _leaves_of(self, record: Any) -> Any:
-        return without_identity(expect_kind(record, JaxOptimizer.kind, "optimizer"), self.tx, self.opt_state)
+    def _leaves_of(self, record: Any, allow: frozenset[str]) -> Any:
+        return without_identity(expect_kind(record, JaxOptimizer.kind, "optimizer"), self.tx,
+                                self.opt_state, allow)
 
-    def check_record(self, record: Any, module: Any) -> None:
+    def check_record(self, record: Any, module: Any, *,
+                     allow_changes: frozenset[str] = frozenset()) -> None:
         leaves, _ = flatten(self.opt_state)
-        _check_tree(self._leaves_of(record), leaves, "optimizer")
+        _check_tree(self._leaves_of(record, allow_changes), leaves, "optimizer")
 
     def snapshot(self) -> Any:
         """The live state (immutable arrays: holding it is a backup)."""
@@ -570,16 +602,23 @@ class JaxOptimizer:
         """Put back what `snapshot` returned."""
         self.opt_state = snapshot
 
-    def load_record(self, record: Any, module: Any, device: Any) -> None:
+    def load_record(self, record: Any, module: Any, device: Any, *,
+                    allow_changes: frozenset[str] = frozenset()) -> None:
         leaves, treedef = flatten(self.opt_state)
-        recorded = _check_tree(self._leaves_of(record), leaves, "optimizer")
+        with warnings.catch_warnings():  # said by check_record, which restore runs first
+            warnings.simplefilter("ignore", UncheckedIdentityWarning)
+            recorded = _check_tree(self._leaves_of(record, allow_changes), leaves, "optimizer")
         self.opt_state = _rebuild(leaves, treedef, recorded, device)
 
 
 class JaxLrScheduler:
     """An optax schedule (a function of the step count) with its position: `step()`
-    returns `schedule(count)` and advances. The function is code, not data: it comes
-    from the caller's program; the record holds the count."""
+    returns `schedule(count)` and advances. The function is code: it comes from the
+    caller's program; the record holds the count and, under `#identity`, the schedule
+    as `identity.py` names it (the function and the constants it captured). A restore
+    refuses a live schedule that differs, naming each field, unless `allow_changes`
+    names it (`scheduler.decay_steps`: the live schedule then runs from the recorded
+    count); a record without `#identity` loads with an `UncheckedIdentityWarning`."""
 
     kind = "optax.schedule"
 
@@ -593,20 +632,28 @@ class JaxLrScheduler:
         return lr
 
     def into_record(self) -> StateRecord:
-        return StateRecord(self.kind, {"count": int(self.count)})
+        return StateRecord(self.kind, {"count": int(self.count), IDENTITY_KEY: schedule_identity(self.schedule)})
 
-    def _checked(self, record: Any) -> int:
+    def _checked(self, record: Any, allow: frozenset[str], warn: bool = True) -> int:
         item = expect_kind(record, self.kind, "scheduler")
         count = item.get("count") if isinstance(item, dict) else None
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise RecordMismatchError(f"count must be an int >= 0, got {count!r}", key="scheduler")
+        at = f"scheduler.{IDENTITY_KEY}"
+        assert isinstance(item, dict)  # `count` was found in it
+        if IDENTITY_KEY in item:
+            live = schedule_identity(self.schedule)
+            settle(changes(item[IDENTITY_KEY], live, at), leaf_paths(item[IDENTITY_KEY], at) + leaf_paths(live, at),
+                   allow, "the fields of the live optax schedule", "Pass the schedule the recorded run had.")
+        elif warn:
+            unchecked([at], allow, "the optax schedule")
         return count
 
-    def check_record(self, record: Any) -> None:
-        self._checked(record)
+    def check_record(self, record: Any, *, allow_changes: frozenset[str] = frozenset()) -> None:
+        self._checked(record, allow_changes)
 
-    def load_record(self, record: Any) -> None:
-        self.count = self._checked(record)
+    def load_record(self, record: Any, *, allow_changes: frozenset[str] = frozenset()) -> None:
+        self.count = self._checked(record, allow_changes, warn=False)
 
 
 def _as_module(module: Any) -> JaxModule:

@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from trainrec.adapter_kit import Item
+from trainrec.adapter_kit import Change, Item
 
-__all__ = ["IDENTITY_KEY", "STATE_TYPES_KEY", "identity_of", "state_types_of", "differences"]
+__all__ = ["IDENTITY_KEY", "STATE_TYPES_KEY", "identity_of", "state_types_of", "differences", "changes",
+           "leaf_paths", "schedule_identity"]
 
 IDENTITY_KEY = "#identity"  # the transforms and their hyperparameters, chain order
 STATE_TYPES_KEY = "#state_types"  # the optax state types, per chain position
@@ -209,6 +210,12 @@ def _walk(fn: Any, init: Any, out: list[Item]) -> None:
     out.append(entry)
 
 
+def schedule_identity(schedule: Any) -> Item:
+    """An optax schedule (or any function of the count) as values and names: its
+    function's name and the constants it captured, as inside `identity_of`."""
+    return _value(schedule, _DEPTH, frozenset())
+
+
 def state_types_of(state: Any) -> Item:
     """The optax state types of `state` by position: a NamedTuple state is
     `{"type": NAME, FIELD: ...}` for its fields that hold states, a chain's tuple a list;
@@ -233,7 +240,13 @@ def state_types_of(state: Any) -> Item:
 def differences(recorded: Item, live: Item, path: str = "", limit: int = 5) -> list[str]:
     """Where `recorded` and `live` differ, each as `PATH: X in the record, Y live` (at
     most `limit`)."""
-    out: list[str] = []
+    return [c.text for c in changes(recorded, live, path, limit)]
+
+
+def changes(recorded: Item, live: Item, path: str = "", limit: int = 64) -> list[Change]:
+    """Where `recorded` and `live` differ, as `Change`s (at most `limit`), each saying
+    `PATH: X in the record, Y live`."""
+    out: list[Change] = []
     _diff(recorded, live, path, out, limit)
     return out
 
@@ -245,34 +258,47 @@ def _show(v: Item) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _diff(a: Item, b: Item, path: str, out: list[str], limit: int) -> None:
+def _say(out: list[Change], where: str, a: Item, b: Item, text: str) -> None:
+    out.append(Change(where, a, b, f"{where}: {text}"))
+
+
+def _diff(a: Item, b: Item, path: str, out: list[Change], limit: int) -> None:
     if len(out) >= limit:
         return
     where = path or "root"
     if isinstance(a, dict) and isinstance(b, dict):
         if a.get("transform", a.get("fn", a.get("type"))) != b.get("transform", b.get("fn", b.get("type"))):
-            out.append(f"{where}: {_show(a)} in the record, {_show(b)} live")
+            _say(out, where, a, b, f"{_show(a)} in the record, {_show(b)} live")
             return
         for k in sorted(set(a) | set(b)):
             if k not in b:
-                out.append(f"{where}.{k}: {_show(a[k])} in the record, absent live")
+                _say(out, f"{where}.{k}", a[k], None, f"{_show(a[k])} in the record, absent live")
             elif k not in a and k == CONSTS_KEY:
                 continue  # a record written before functions' literals were recorded
             elif k not in a:
-                out.append(f"{where}.{k}: absent in the record, {_show(b[k])} live")
+                _say(out, f"{where}.{k}", None, b[k], f"absent in the record, {_show(b[k])} live")
             else:
                 _diff(a[k], b[k], f"{path}.{k}" if path else k, out, limit)
         return
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
-            out.append(f"{where}: {len(a)} entries in the record, {len(b)} live: {_show(a)} vs {_show(b)}")
+            _say(out, where, a, b, f"{len(a)} entries in the record, {len(b)} live: {_show(a)} vs {_show(b)}")
             return
         for i, (x, y) in enumerate(zip(a, b)):
             _diff(x, y, f"{path}.{i}" if path else str(i), out, limit)
         return
     if _same(a, b):
         return
-    out.append(f"{where}: {_show(a)} in the record, {_show(b)} live")
+    _say(out, where, a, b, f"{_show(a)} in the record, {_show(b)} live")
+
+
+def leaf_paths(item: Item, path: str) -> list[str]:
+    """The path of every leaf of an identity (maps and lists walked)."""
+    if isinstance(item, dict) and item:
+        return [p for k, v in item.items() for p in leaf_paths(v, f"{path}.{k}")]
+    if isinstance(item, list) and item:
+        return [p for i, v in enumerate(item) for p in leaf_paths(v, f"{path}.{i}")]
+    return [path]
 
 
 def _same(a: Item, b: Item) -> bool:

@@ -15,13 +15,14 @@ target: the restore writes concrete arrays into it, placed by each value's shard
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 from flax import nnx
 
 from trainrec import StateRecord
-from trainrec.adapter_kit import Item, expect_kind
+from trainrec.adapter_kit import Item, UncheckedIdentityWarning, expect_kind
 
 from . import _arrays
 from .bindings import JaxModule, flatten, optimizer_identity, without_identity
@@ -132,12 +133,19 @@ class NnxOptimizer:
         item.update(optimizer_identity(self.optimizer.tx, self.optimizer.opt_state))
         return StateRecord(self.kind, item)
 
-    def _state_record(self, record: Any) -> StateRecord:
+    def _state_record(self, record: Any, allow: frozenset[str]) -> StateRecord:
         item = expect_kind(record, self.kind, "optimizer")
-        return StateRecord(self.kind, without_identity(item, self.optimizer.tx, self.optimizer.opt_state))
+        return StateRecord(self.kind, without_identity(item, self.optimizer.tx, self.optimizer.opt_state,
+                                                       allow))
 
-    def check_record(self, record: Any, module: Any) -> None:
-        _arrays.check(self._state_record(record), self.kind, _state(self.optimizer)[0], "optimizer")
+    def check_record(self, record: Any, module: Any, *,
+                     allow_changes: frozenset[str] = frozenset()) -> None:
+        _arrays.check(self._state_record(record, allow_changes), self.kind, _state(self.optimizer)[0],
+                      "optimizer")
 
-    def load_record(self, record: Any, module: Any, device: Any) -> None:
-        _write(self.optimizer, self._state_record(record), self.kind, "optimizer", device)
+    def load_record(self, record: Any, module: Any, device: Any, *,
+                    allow_changes: frozenset[str] = frozenset()) -> None:
+        with warnings.catch_warnings():  # said by check_record, which restore runs first
+            warnings.simplefilter("ignore", UncheckedIdentityWarning)
+            state = self._state_record(record, allow_changes)
+        _write(self.optimizer, state, self.kind, "optimizer", device)

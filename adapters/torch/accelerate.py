@@ -34,7 +34,7 @@ Needs the extra `trainrec[accelerate]`; importing this module imports accelerate
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,9 @@ from accelerate.data_loader import SeedableRandomSampler, get_sampler
 from torch.utils.data import RandomSampler
 
 from trainrec import RecordMismatchError
+from trainrec.adapter_kit import parse_changes
 
+from .native_check import Kept, check_native, schedules_of
 from .pending import pack, unpack
 from .rng import TorchRngRecord
 
@@ -87,7 +89,7 @@ class ExactResume:
     only, so every rank would load rank 0's pending gradients."""
 
     def __init__(self, accelerator: accelerate.Accelerator, model: nn.Module,
-                 state: Any = None) -> None:
+                 state: Any = None, *, allow_changes: Iterable[str] | None = None) -> None:
         if not isinstance(accelerator, accelerate.Accelerator):
             raise TypeError(f"accelerator must be an accelerate.Accelerator, got "
                             f"{type(accelerator).__name__}")
@@ -107,6 +109,8 @@ class ExactResume:
         self.accelerator = accelerator
         self.model = model
         self.state = state
+        self.allow_changes = parse_changes(allow_changes)
+        self._kept: Kept | None = None  # the live values allow_changes keeps, once checked
         self._loaders()  # refuses a dataloader prepared so far that cannot resume exactly
         accelerator.register_load_state_pre_hook(self._check_before_load)
 
@@ -136,8 +140,10 @@ class ExactResume:
         for i, dl in enumerate(loaders):
             counters[f"accelerate_dataloader{i}_iteration"] = int(getattr(dl, "iteration", 0))
             counters[f"accelerate_dataloader{i}_in_last_batch"] = int(_in_last_batch(dl))
-        return pack(self._module(), self.state, counters,
-                    rng=TorchRngRecord.capture(*_generators(loaders)))
+        payload = pack(self._module(), self.state, counters,
+                       rng=TorchRngRecord.capture(*_generators(loaders)))
+        payload["schedules"] = schedules_of(_schedulers(acc))  # what scheduler.bin lacks
+        return payload
 
     def _check_before_load(self, models: Any, input_dir: str) -> None:
         """`load_state`'s pre-hook: this object's payload in `input_dir` is checked before
@@ -149,11 +155,36 @@ class ExactResume:
         file = Path(input_dir) / f"custom_checkpoint_{index}.pkl"
         if index is None or not file.is_file():
             return  # not registered, or Accelerate itself says the files do not match
-        self._checked(torch.load(file, map_location="cpu", weights_only=False))
+        payload = torch.load(file, map_location="cpu", weights_only=False)
+        self._checked(payload)
+        self._kept = self._check_schedules(Path(input_dir), payload)
+
+    def _check_schedules(self, folder: Path, payload: Any) -> Kept | None:
+        """The optimizers' hyperparameters and the schedules in `folder` against the live
+        ones, as `TrainingRecord.restore` compares them: `RecordMismatchError` naming each
+        difference that `allow_changes` does not allow; the live values it allows, which
+        `load_state_dict` puts back after Accelerate loaded the recorded ones."""
+        optimizers = [getattr(o, "optimizer", o) for o in self.accelerator._optimizers]
+        schedulers = _schedulers(self.accelerator)
+        states: list[list[Any]] = [[], []]
+        for what, objs, out in (("optimizer", optimizers, states[0]), ("scheduler", schedulers, states[1])):
+            for i in range(len(objs)):
+                file = folder / (f"{what}.bin" if i == 0 else f"{what}_{i}.bin")
+                if not file.is_file():
+                    return None  # Accelerate's own load says what is missing
+                out.append(torch.load(file, map_location="cpu", weights_only=False, mmap=True))
+        identities = payload.get("schedules") if isinstance(payload, Mapping) else None
+        return check_native(optimizers, states[0], schedulers, states[1],
+                            identities if isinstance(identities, list) else None, self.allow_changes,
+                            f"{_SOURCE} in {folder}")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned; on `RecorderError` nothing changed."""
         pending, loaders, generators = self._checked(state_dict)
+        kept, self._kept = self._kept, None
+        if kept is not None:  # the hyperparameters and schedule fields allowed to change
+            kept.apply([getattr(o, "optimizer", o) for o in self.accelerator._optimizers],
+                       _schedulers(self.accelerator))
         pending.apply(self._module())
         if self.state is not None:
             self.state = pending.state
@@ -225,6 +256,11 @@ class ExactResume:
                     base.next_iter_state = {**position, "_iterator_finished": False}
                 base.state_dict()  # a StatefulDataLoader keeps this iterator for its next iter()
         rng.apply(*generators)
+
+
+def _schedulers(accelerator: Any) -> list[Any]:
+    """The torch schedulers `accelerator.prepare` wrapped, in its order."""
+    return [getattr(s, "scheduler", s) for s in getattr(accelerator, "_schedulers", [])]
 
 
 def _check(index: int, loader: Any) -> None:

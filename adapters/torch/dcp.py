@@ -82,7 +82,18 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import Header, Item, crc32, expect_kind, kind_mismatches, path_arg
+from trainrec.adapter_kit import (
+    Header,
+    Item,
+    crc32,
+    expect_kind,
+    field_changes,
+    for_component,
+    kind_mismatches,
+    parse_changes,
+    path_arg,
+    settle,
+)
 
 from .bindings import TorchLrScheduler, TorchOptimizer, encode
 from .dcp_metadata import METADATA, check_chunks, file_digest, open_regular, read_metadata
@@ -104,6 +115,7 @@ from .distributed import (
     read_manifest,
     timeout_seconds,
 )
+from .identity import hyperparameter_fields, take_live_hyperparameters
 from .wrappers import is_dtensor, named_parameters
 
 __all__ = ["DCPRecorder", "DCPRestored", "read_dcp"]
@@ -274,7 +286,8 @@ class DCPRecorder:
 
     def load(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: Any = None, *, state_type: type[U] | None = None,
-             rank_state: str | int = "own", verify: bool = True) -> DCPRestored[U]:
+             rank_state: str | int = "own", verify: bool = True,
+             allow_changes: Iterable[str] | None = None) -> DCPRestored[U]:
         """Collective: restore the checkpoint `path` into the live (sharded) `model`,
         `optimizer` and `scheduler`, pending `.grad` included, and return the caller's state
         rebuilt as `state_type` (the raw item tree without one).
@@ -291,6 +304,12 @@ class DCPRecorder:
         a `RecorderError` on every rank, and every rank's live objects are rolled back to
         what they held (from a host copy of the model's state tensors taken just before
         the read).
+
+        The schedule's constructor arguments and functions and the optimizer's
+        hyperparameters are compared with the live ones as `TrainingRecord.restore` compares
+        them: a difference is a `RecordMismatchError` naming it before anything changes,
+        unless `allow_changes` (e.g. `{"scheduler.T_max", "optimizer.weight_decay"}`)
+        names it; an allowed field keeps its live value.
 
         After `save(..., async_save=True)` on this recorder, `load` first waits for that save
         to commit (its outcome is its future's).
@@ -314,7 +333,7 @@ class DCPRecorder:
         plan: _Load | None = None
         try:
             plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state,
-                                 verify)
+                                 verify, parse_changes(allow_changes))
             reader = plan.reader
         except Exception as e:  # noqa: BLE001 - every rank learns of it before any reads
             if _rank_world(self.group)[1] == 1:
@@ -372,7 +391,8 @@ class DCPRecorder:
         return DCPRestored(plan.state, plan.manifest["world_size"])
 
     def _prepare(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any, state_type: Any, rank_state: str | int, verify: bool) -> _Load:
+                 scheduler: Any, state_type: Any, rank_state: str | int, verify: bool,
+                 allow: frozenset[str] = frozenset()) -> _Load:
         """This rank's checks, before the ranks meet: the manifest, the optimizer's class,
         its part, the caller state and scheduler rebuilt, DCP's metadata (its checksum)
         against the live shapes; and what DCP reads into (the live model's tensors
@@ -382,6 +402,8 @@ class DCPRecorder:
             raise TypeError(f"verify must be True or False, got {verify!r}")
         path = path_arg(path)
         _check_objects(model, optimizer, scheduler)
+        if scheduler is None and for_component(allow, "scheduler"):
+            raise ValueError("allow_changes names scheduler fields but scheduler=None was given")
         manifest = _read_manifest(path)
         try:  # the class, as `TrainingRecord.restore` checks it
             expect_kind(StateRecord(manifest["optimizer"], None), TorchOptimizer(optimizer).kind,
@@ -420,15 +442,20 @@ class DCPRecorder:
                                       key=f"grads.{missing[0]}", source=str(path))
         sched_record = None
         if scheduler is None and part.get("scheduler") is not None:
-            raise RecordMismatchError("the checkpoint holds scheduler state but scheduler=None "
-                                      "was given: pass the run's LR scheduler", key="scheduler",
+            held = part["scheduler"]
+            kind = held.get("kind") if isinstance(held, dict) else None
+            raise RecordMismatchError(f"the checkpoint holds the state of an LR scheduler ({kind}) "
+                                      "but scheduler=None was given: build the scheduler on the "
+                                      "optimizer as the run that saved it did (it sets each param "
+                                      "group's initial_lr) and pass it", key="scheduler",
                                       source=str(path))
         if scheduler is not None:
             if part.get("scheduler") is None:
                 raise RecordMismatchError("the checkpoint holds no scheduler state, a scheduler "
                                           "was given", key="scheduler", source=str(path))
             sched_record = StateRecord.from_item(part["scheduler"], None, key="scheduler")
-            TorchLrScheduler(scheduler).check_record(sched_record)
+            TorchLrScheduler(scheduler).check_record(
+                sched_record, allow_changes=for_component(allow, "scheduler"))
         state: Any = None
         if source is not None and part.get("state") is not None:
             device = _local_device(model)
@@ -459,6 +486,7 @@ class DCPRecorder:
         live_groups = _groups(osd)
         # DCP reads the non-tensor entries into `osd` itself: the live values, kept apart
         live_hyper = [dict(g) for g in osd.get("param_groups", ())]
+        accepted: set[str] = set()  # hyperparameters allowed to differ: they stay live
 
         def check(loaded: dict[str, Any]) -> None:
             _check_meta(loaded.get(_META), manifest, path)
@@ -470,12 +498,15 @@ class DCPRecorder:
                     "param groups as the run that saved it", key="optimizer.param_groups",
                     source=str(path))
             _check_param_groups(loaded, live_hyper, path)
+            accepted.update(_check_hyperparameters(loaded, live_hyper, for_component(allow, "optimizer"),
+                                                   TorchOptimizer(optimizer).kind, path))
 
         def backup() -> Backup:
             return Backup(msd, params, optimizer, scheduler)
 
         return _Load(path, manifest, params, target, names, state, sched_record,
-                     _Reader(folder, metadata, crcs, self.group, check, verify, backup))
+                     _Reader(folder, metadata, crcs, self.group, check, verify, backup),
+                     for_component(allow, "scheduler"), accepted, live_hyper)
 
 
 @dataclass
@@ -490,6 +521,9 @@ class _Load:
     state: Any
     scheduler: StateRecord | None
     reader: _Reader
+    scheduler_changes: frozenset[str]  # the scheduler's fields allowed to differ
+    accepted: set[str]  # the hyperparameters allowed to differ (once the reader checked)
+    live_hyper: list[dict[str, Any]]  # the live param groups before the read
 
 
 def _write_live(plan: _Load, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -497,11 +531,13 @@ def _write_live(plan: _Load, model: nn.Module, optimizer: torch.optim.Optimizer,
     """After DCP's read (the model's tensors are read in place): the model's state dict,
     the optimizer's state, the pending `.grad`s (None where none was saved), the scheduler."""
     write_model(model, plan.target["model"])
+    for gi, (group, live) in enumerate(zip(plan.target["optim"]["param_groups"], plan.live_hyper)):
+        take_live_hyperparameters(group, live, frozenset(plan.accepted), f"optimizer.param_groups.{gi}")
     load_optimizer(optimizer, plan.target["optim"], plan.names)
     for n, p in plan.params.items():
         p.grad = plan.target["grads"].get(n)
     if scheduler is not None and plan.scheduler is not None:
-        TorchLrScheduler(scheduler).load_record(plan.scheduler)
+        TorchLrScheduler(scheduler).load_record(plan.scheduler, allow_changes=plan.scheduler_changes)
 
 
 def _roll_back(backup: Backup | None) -> str:
@@ -577,6 +613,34 @@ def _check_param_groups(loaded: dict[str, Any], live: list[dict[str, Any]], path
             raise RecordMismatchError(
                 f"the optimizer's param group entry does not fit the live optimizer: "
                 f"{'; '.join(problems)}", key=at, source=str(path))
+
+
+def _check_hyperparameters(loaded: dict[str, Any], live: list[dict[str, Any]], allow: frozenset[str],
+                           kind: str, path: Path) -> frozenset[str]:
+    """The hyperparameters DCP read (`optim.param_groups.{i}.{key}`) against the live
+    groups', as `TorchOptimizer` compares them: the paths `allow` allows to differ;
+    `RecordMismatchError` for any other difference."""
+    prefix = "optim.param_groups."
+    recorded: dict[int, dict[str, Item]] = {}
+    for name, value in loaded.items():
+        index, _, key = name.removeprefix(prefix).partition(".")
+        if name.startswith(prefix) and index.isdigit() and key and "." not in key and key != "params":
+            recorded.setdefault(int(index), {})[key] = encode(value, key)
+    recorded_fields: dict[str, Item] = {}
+    live_fields: dict[str, Item] = {}
+    for gi, group in enumerate(live):
+        at = f"optimizer.param_groups.{gi}"
+        live_item = {k: encode(v, k) for k, v in group.items() if k != "params"}
+        recorded_fields.update(hyperparameter_fields(recorded.get(gi, {}), at))
+        live_fields.update(hyperparameter_fields(live_item, at))
+    try:
+        return settle(field_changes(recorded_fields, live_fields),
+                      set(recorded_fields) | set(live_fields), allow,
+                      f"the hyperparameters of the live {kind}",
+                      "Build the optimizer with the hyperparameters of the run that saved it.")
+    except RecordMismatchError as e:
+        raise RecordMismatchError(str(e).removesuffix(f" (key {e.key!r})"), key=e.key,
+                                  source=str(path)) from None
 
 
 def _check_meta(meta: Any, manifest: dict[str, Any], path: Path) -> None:

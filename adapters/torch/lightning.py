@@ -22,6 +22,7 @@ Needs the extra `trainrec[lightning]`; importing this module imports lightning.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,7 +34,9 @@ except ImportError as e:  # pragma: no cover - the message is tested with lightn
                       "installed: pip install 'trainrec[lightning]'", name=e.name) from e
 
 from trainrec import RecordMismatchError
+from trainrec.adapter_kit import parse_changes
 
+from .native_check import check_native, schedules_of
 from .pending import Pending, pack, unpack
 from .rng import TorchRngRecord
 
@@ -64,10 +67,20 @@ class ExactResume(pl.Callback):
     second instance, "Found more than one stateful callback of type `ExactResume`"); keep
     all your counters in one `state` record.
 
-    Raises `TypeError` when `state` is not a trainrec Record; `ValueError` in a Trainer of
-    more than one process (see `setup`)."""
+    The optimizers' hyperparameters and the schedules in the checkpoint are compared with
+    the live ones as `TrainingRecord.restore` compares them (the payload keeps what the
+    schedulers' state dicts lack: their functions, a `functools.partial`'s keywords): a
+    difference is a `RecordMismatchError` naming each field, unless `allow_changes` names it
+    (the live value is then kept). Lightning builds the optimizers only after it loaded the
+    weights, so this check runs when it is about to load the optimizers' state, and a
+    refusal there puts the module's weights back as they were (a copy taken just before
+    Lightning loaded the checkpoint's).
 
-    def __init__(self, state: Any = None, *, rng: bool = True, allow_replay: bool = False) -> None:
+    Raises `TypeError` when `state` is not a trainrec Record; `ValueError` in a Trainer of
+    more than one process (see `setup`), or for a malformed `allow_changes`."""
+
+    def __init__(self, state: Any = None, *, rng: bool = True, allow_replay: bool = False,
+                 allow_changes: Iterable[str] | None = None) -> None:
         if state is not None and not (hasattr(state, "into_item")
                                       and hasattr(type(state), "from_item")):
             raise TypeError(f"state must be a trainrec Record (a @trainrec.record dataclass) "
@@ -75,6 +88,8 @@ class ExactResume(pl.Callback):
         self.state = state
         self.rng = bool(rng)
         self.allow_replay = bool(allow_replay)
+        self.allow_changes = parse_changes(allow_changes)
+        self._weights: dict[str, torch.Tensor] | None = None  # the module's, before Lightning's load
         self._trainer: pl.Trainer | None = None
         self._pending: Pending | None = None
         self._checked: Any = None  # the checkpoint dict `_pending` was checked from
@@ -91,9 +106,11 @@ class ExactResume(pl.Callback):
         if trainer is None:
             raise ValueError("ExactResume.state_dict() is called by a Trainer saving a "
                              "checkpoint; pass the callback to Trainer(callbacks=[...])")
-        return pack(trainer.lightning_module, self.state,
-                    {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)},
-                    rng=TorchRngRecord.capture(*_generators(trainer)) if self.rng else None)
+        payload = pack(trainer.lightning_module, self.state,
+                       {"accumulate_grad_batches": int(trainer.accumulate_grad_batches)},
+                       rng=TorchRngRecord.capture(*_generators(trainer)) if self.rng else None)
+        payload["schedules"] = schedules_of([c.scheduler for c in trainer.lr_scheduler_configs])
+        return payload
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing: `on_load_checkpoint` reads the same entry and checks it first."""
@@ -121,12 +138,48 @@ class ExactResume(pl.Callback):
             return  # a second fit with this Trainer
 
         def load_model_state_dict(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
-            if trainer.lightning_module is not None and isinstance(checkpoint, dict):
-                self.on_load_checkpoint(trainer, trainer.lightning_module, checkpoint)
+            module = trainer.lightning_module
+            if module is not None and isinstance(checkpoint, dict):
+                self.on_load_checkpoint(trainer, module, checkpoint)
+                if "optimizer_states" in checkpoint:  # a resume: kept for a later refusal
+                    self._weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
             return load(checkpoint, *args, **kwargs)
+
+        load_optimizer_state_dict = strategy.load_optimizer_state_dict
+
+        def load_optimizers(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+            self._check_schedules(trainer, checkpoint)
+            return load_optimizer_state_dict(checkpoint, *args, **kwargs)
 
         load_model_state_dict._trainrec_checks = self  # type: ignore[attr-defined]
         strategy.load_model_state_dict = load_model_state_dict  # type: ignore[method-assign]
+        strategy.load_optimizer_state_dict = load_optimizers  # type: ignore[method-assign]
+
+    def _check_schedules(self, trainer: pl.Trainer, checkpoint: Any) -> None:
+        """The checkpoint's optimizer hyperparameters and schedules against the live ones
+        (`native_check`); the allowed live values written into the checkpoint dict that
+        Lightning loads next. On a refusal the module gets its weights back first."""
+        weights, self._weights = self._weights, None
+        if not isinstance(checkpoint, dict):
+            return
+        optimizer_states = checkpoint.get("optimizer_states") or []
+        scheduler_states = checkpoint.get("lr_schedulers") or []
+        payload = checkpoint.get("callbacks", {}).get(self.state_key)
+        identities = payload.get("schedules") if isinstance(payload, dict) else None
+        schedulers = [c.scheduler for c in trainer.lr_scheduler_configs]
+        try:
+            kept = check_native(trainer.optimizers, optimizer_states, schedulers, scheduler_states,
+                                identities if isinstance(identities, list) else None,
+                                self.allow_changes, "the Lightning checkpoint")
+        except (RecordMismatchError, ValueError):
+            module = trainer.lightning_module
+            if weights is not None and module is not None:
+                with torch.no_grad():
+                    for k, v in module.state_dict().items():
+                        v.copy_(weights[k])
+            self._pending = self._checked = None
+            raise
+        kept.into_states(optimizer_states, scheduler_states)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
