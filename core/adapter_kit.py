@@ -10,7 +10,8 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
   `DType`, `FloatDType`, `TensorData`, `GradientsParams`, `StateRecord`, `RngRecord`,
   `record`;
 - checking a record before loading it (section 2): `expect_kind`, `check_tensor_map`,
-  `kind_mismatches`, and the errors `RecordMismatchError`, `CorruptRecordError`;
+  `kind_mismatches`, `cast_problem` (what a cast to the live dtype would change), and the
+  errors `RecordMismatchError`, `CorruptRecordError`;
 - item trees and the one walker over them: `Item`, `walk`, `walk_pairs`, `map_tree`,
   `map_leaves`, `path_of`, `iter_tensors`, `map_tensors`, `join_key`, `check_item`,
   `compare_items`;
@@ -98,7 +99,15 @@ from .protocols import (
     Recorder,
 )
 from .recorders import RecorderBase
-from .records import RngRecord, StateRecord, check_tensor_map, expect_kind, kind_mismatches, record
+from .records import (
+    RngRecord,
+    StateRecord,
+    cast_problem,
+    check_tensor_map,
+    expect_kind,
+    kind_mismatches,
+    record,
+)
 from .registry import Adapter, adapt, register_adapter
 from .rules import PRESETS, Rule
 from .sniff import reader_of
@@ -160,6 +169,7 @@ __all__ = [
     "atomic_write",
     "check_item",
     "check_limits",
+    "cast_problem",
     "check_tensor_map",
     "compare_items",
     "crc32",

@@ -3,7 +3,9 @@
 JAX values are immutable, so the protocol objects are small holders whose fields the
 training loop reassigns: `JaxModule(params)` (`.params`), `JaxOptimizer(tx, opt_state)`
 (`.opt_state`), `JaxLrScheduler(schedule, count)` (`.count`). Restoring assigns new
-pytrees of the same structure, dtypes and devices as the live ones.
+pytrees of the same structure and devices as the live ones, each leaf of its recorded
+dtype (the live tree is a template: optax's moments of bf16 params become f32 with f32
+gradients, which a fresh `tx.init` does not know).
 
 ParamIds are pytree key paths joined with `.` (dict keys, sequence indices, NamedTuple
 field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
@@ -41,6 +43,7 @@ from .placement import (
     is_abstract,
     is_array_like,
     place_tensor,
+    restored_dtype,
     sharding_of,
     start_host_copy,
 )
@@ -300,10 +303,10 @@ def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]
 
 
 def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
-    """A new tree of the live structure whose leaves are the recorded values, each with
-    its live leaf's dtype and placement: a live array's sharding, an abstract leaf's
-    (`jax.ShapeDtypeStruct`) sharding, else `device` for an abstract leaf without one;
-    a host (numpy) leaf stays on the host."""
+    """A new tree of the live structure whose leaves are the recorded values, each of its
+    recorded dtype (`restored_dtype`) placed as its live leaf is: a live array's sharding,
+    an abstract leaf's (`jax.ShapeDtypeStruct`) sharding, else `device` for an abstract
+    leaf without one; a host (numpy) leaf stays on the host."""
     new: list[Any] = []
     dev = None
     for name, leaf in live.items():
@@ -314,9 +317,9 @@ def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], devi
             if is_array_like(leaf):
                 if dev is None and sharding_of(leaf) is None:
                     dev = _BACKEND.device(device)
-                new.append(place_tensor(value, leaf, dev, _dtype(leaf), name))
+                new.append(place_tensor(value, leaf, dev, restored_dtype(value, name), name))
             else:
-                new.append(np.asarray(value.array).astype(_dtype(leaf)))
+                new.append(np.array(value.array, copy=True))
         else:
             new.append(value)
     return jax.tree_util.tree_unflatten(treedef, new)
@@ -332,7 +335,10 @@ def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, I
     tensors = {k: v for k, v in item.items() if isinstance(v, TensorData)}
     scalars = {k: v for k, v in item.items() if not isinstance(v, TensorData)}
     expected = _expected(live)
-    check_tensor_map(tensors, expected, component, allow_subset=True)
+    check_tensor_map(tensors, expected, component, allow_subset=True, keep_dtype=False)
+    for k, v in tensors.items():  # what JAX cannot hold (64-bit without x64) is refused now
+        if k in live and is_array_like(live[k]):
+            restored_dtype(v, f"{component}.{k}")
     missing = [k for k in live if k not in item]
     wrong = [k for k in scalars if k not in live or k in expected]
     if missing or wrong:
