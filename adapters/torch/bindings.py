@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from trainrec import RecordMismatchError, StateRecord, TensorData
-from trainrec.adapter_kit import Item, cast_problem, check_tensor_map, expect_kind, join_key, kind_mismatches
+from trainrec.adapter_kit import (
+    Item,
+    cast_problem,
+    check_tensor_map,
+    expect_kind,
+    join_key,
+    kind_mismatches,
+)
 
 from .backend import TorchBackend, from_torch_dtype, numpy_to_tensor
 from .wrappers import named_parameters, named_state, refuse_dtensors
