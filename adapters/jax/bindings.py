@@ -628,22 +628,44 @@ def grads_from(grad_tree: Any, module: Any) -> GradientsParams:
     tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module, in
     any container: dict, flax `FrozenDict`, nnx `State` or `nnx.to_pure_dict`'s dicts.
     `module` may be the `nnx.Module` or `eqx.Module` itself (`nnx.grad`'s `State`,
-    `eqx.filter_grad`'s module-shaped tree). Raises `ValueError` when `grad_tree` has leaves of which none is for a parameter of
-    `module`."""
+    `eqx.filter_grad`'s module-shaped tree). Raises `ValueError` when `grad_tree` has
+    leaves of which none is for a parameter of `module`.
+
+    A training loop calls this every micro-step, so the ParamIds are worked out once per
+    gradient tree structure (a treedef fixes every key path, as `_param_ids` caches the
+    module's) and checked against the module then; a later tree of that structure is
+    named without walking the module again (`accumulate`, `adopt` and `to_tree` refuse
+    gradients none of which is for their module all the same)."""
     module = _as_module(module)
-    leaves, _ = flatten(grad_tree)
-    ids = set(module.param_ids())
+    leaves, treedef = jax.tree_util.tree_flatten(grad_tree)
     prefix = module._trainable_prefix()
+    key = (treedef, prefix)
+    names = _GRAD_IDS.get(key)
+    if names is None:
+        names = _grad_names(grad_tree, set(module.param_ids()), prefix)
+        if len(_GRAD_IDS) >= 256:
+            _GRAD_IDS.clear()
+        _GRAD_IDS[key] = names
+    return GradientsParams(dict(zip(names, leaves)))
+
+
+_GRAD_IDS: dict[tuple[Any, str], tuple[str, ...]] = {}
+
+
+def _grad_names(grad_tree: Any, ids: set[str], prefix: str) -> tuple[str, ...]:
+    """The ParamIds of `grad_tree`'s leaves in pytree order: their key paths, under the
+    module's trainable `prefix` when that names more of the module's parameters."""
+    names = list(flatten(grad_tree)[0])
     if prefix:
-        qualified = {f"{prefix}.{k}": v for k, v in leaves.items()}
-        if sum(k in ids for k in qualified) > sum(k in ids for k in leaves):
-            leaves = qualified
-    if leaves and not ids.intersection(leaves):
+        qualified = [f"{prefix}.{k}" for k in names]
+        if sum(k in ids for k in qualified) > sum(k in ids for k in names):
+            names = qualified
+    if names and not ids.intersection(names):
         raise ValueError(
-            f"none of the gradient tree's {len(leaves)} leaves is a parameter of the module: "
-            f"leaves {sorted(leaves)[:3]}, module parameters {sorted(ids)[:3]}"
+            f"none of the gradient tree's {len(names)} leaves is a parameter of the module: "
+            f"leaves {sorted(names)[:3]}, module parameters {sorted(ids)[:3]}"
         )
-    return GradientsParams(leaves)
+    return tuple(names)
 
 
 def to_tree(grads: GradientsParams, module: Any, *, allow_empty: bool = False) -> Any:
