@@ -389,3 +389,36 @@ def test_bf16_params_f32_accumulation_adam_resume_bitwise_in_a_fresh_process(kin
     assert list(ref["dtypes"]) == list(res["dtypes"]) and "float32" in list(ref["dtypes"])
     for k in ref.files:
         assert np.array_equal(ref[k], res[k]), k
+
+
+# -- accumulate_with_dtype takes what users write -----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["FloatDType", "np.float32", "jnp.float32", "'float32'", "'f32'", "torch.float32"])
+def test_accumulate_with_dtype_takes_numpy_jax_torch_dtypes_and_names(name):
+    np_ = np
+    jnp = pytest.importorskip("jax.numpy") if "jnp" in name else None
+    torch = pytest.importorskip("torch") if "torch" in name else None
+    from trainrec import FloatDType, GradientsAccumulator, GradientsParams
+    from trainrec.adapters.numpy.mlp import MLP
+
+    dtype = {"FloatDType": FloatDType.F32, "np.float32": np_.float32, "'float32'": "float32", "'f32'": "f32",
+             "jnp.float32": jnp and jnp.float32, "torch.float32": torch and torch.float32}[name]
+    model = MLP([3, 2], seed=0)
+    pid, shape = next(iter(model.param_shapes().items()))
+    acc = GradientsAccumulator()
+    acc.accumulate_with_dtype(model, GradientsParams({pid: np_.ones(shape, np_.float16)}), dtype)
+    assert acc.try_to_record().grads[pid].dtype.value == "f32"
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8", None, 3, np.int32])
+def test_accumulate_with_dtype_refuses_what_is_no_float_dtype_saying_where_floatdtype_lives(dtype):
+    from trainrec import GradientsAccumulator, GradientsParams
+    from trainrec.adapters.numpy.mlp import MLP
+
+    model = MLP([3, 2], seed=0)
+    pid, shape = next(iter(model.param_shapes().items()))
+    acc = GradientsAccumulator()
+    with pytest.raises(TypeError, match=r"from trainrec import FloatDType.*np\.float32.*'float32'"):
+        acc.accumulate_with_dtype(model, GradientsParams({pid: np.ones(shape, np.float32)}), dtype)
+    assert acc.pending_ids() == []

@@ -250,17 +250,9 @@ def accumulate_tree(pending: Any, grads: Any, dtype: Any = None) -> Any:
 
 
 def _float_dtype_name(dtype: Any) -> str:
-    """The numpy name of `dtype` (a `FloatDType`, `DType`, numpy / JAX dtype or name),
-    which must be a float dtype a record holds."""
-    dtype = getattr(dtype, "dtype", dtype) if isinstance(dtype, FloatDType) else dtype
-    try:
-        np_dtype = np.dtype(getattr(dtype, "numpy", dtype))
-    except TypeError as e:
-        raise TypeError(f"dtype must be a float dtype (FloatDType, jnp.float32, 'bfloat16'), got {dtype!r}") from e
-    if np_dtype not in _GRAD_DTYPES:
-        raise TypeError(f"dtype must be a float dtype a record holds (float64, float32, float16, "
-                        f"bfloat16), got {np_dtype}")
-    return str(np_dtype.name)
+    """The numpy name of `dtype` (what `FloatDType.of` takes), which must be a float dtype
+    a record holds; else `TypeError` saying where `FloatDType` lives."""
+    return str(FloatDType.of(dtype).dtype.numpy.name)
 
 
 def _checked(path: Any, leaf: Any, grad: Any = None) -> Any:
