@@ -14,7 +14,8 @@ pending gradients):
 - peak resident memory above the state during save and load (own subprocess each);
 - `GradientsAccumulator.accumulate` vs a hand-written `torch._foreach_add_`;
 - on JAX (`accumulate`): `accumulate` vs a jitted `jax.tree.map(jnp.add)` over the same
-  trees, 20 and 200 leaves of 64x64 f32 and 20 of 512x512, per call;
+  trees, 20 and 200 leaves of 64x64 f32 and 20 of 512x512, per call; `jax-loop`: the
+  README's loop, `acc.accumulate(model, trj.grads_from(grads, model))`, at 200 leaves;
   `TrainingRecord.capture` vs `copy.deepcopy` of the state dicts;
 - on CUDA: the time `capture_async` blocks the training thread vs `capture`;
 - `Recorder.load` of a `@trainrec.record` of 128 f32 arrays (half the state), 20 loads:
@@ -50,12 +51,12 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.accumulate import jax_accumulate_rows
+from benchmarks.accumulate import jax_accumulate_rows, jax_loop_rows
 from benchmarks.peers import PEERS, lazy_rows
 from benchmarks.state import parse_size, sizes, training_state
 
 SLOW = {"trainrec NamedMpkGzFileRecorder"}
-GROUPS = ("files", "lazy", "record-load", "small", "manager", "compute", "accumulate", "memory")  # single repeat: gzip of random floats is slow
+GROUPS = ("files", "lazy", "record-load", "small", "manager", "compute", "accumulate", "jax-loop", "memory")  # single repeat: gzip of random floats is slow
 
 
 def _once(fn: Callable[[], Any]) -> float:
@@ -537,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += manager_rows(size, tmp, a.repeats) if "manager" in groups else []
         rows += compute_rows(size, a.repeats) if "compute" in groups else []
         rows += jax_accumulate_rows(a.repeats) if "accumulate" in groups else []
+        rows += jax_loop_rows(a.repeats) if "jax-loop" in groups else []
         if not a.skip_memory and "memory" in groups:
             rows += memory_rows(size, tmp)
     ratios(rows)

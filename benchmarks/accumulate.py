@@ -1,4 +1,6 @@
-"""`GradientsAccumulator.accumulate` on JAX vs a jitted `jax.tree.map(jnp.add)` (`--rows accumulate`).
+"""`GradientsAccumulator.accumulate` on JAX vs a jitted `jax.tree.map(jnp.add)` (`--rows accumulate`),
+and the README's JAX loop, `acc.accumulate(model, trj.grads_from(grads, model))` with the
+ParamIds worked out from the gradient tree every call, vs the same (`--rows jax-loop`).
 
 Both sides sum the same gradient tree into a pending tree of the same structure, call after
 call (a window of micro-steps); each timing is a batch of calls followed by one
@@ -33,7 +35,15 @@ def jax_accumulate_rows(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _tree_rows(n: int, shape: tuple[int, int], repeats: int) -> list[dict[str, Any]]:
+def jax_loop_rows(repeats: int) -> list[dict[str, Any]]:
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return [{"name": "trainrec README loop (jax)", "op": "accumulate (jax)", "skipped": "jax is not installed"}]
+    return _tree_rows(200, (64, 64), repeats, loop=True)
+
+
+def _tree_rows(n: int, shape: tuple[int, int], repeats: int, loop: bool = False) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
 
@@ -52,7 +62,7 @@ def _tree_rows(n: int, shape: tuple[int, int], repeats: int) -> list[dict[str, A
 
     def ours(calls: int) -> None:
         for _ in range(calls):
-            acc.accumulate(module, grads)
+            acc.accumulate(module, trj.grads_from(grad_tree, module) if loop else grads)
         jax.block_until_ready(list(acc._pending.values()))  # the pending arrays, not reset
 
     def theirs(calls: int) -> None:
@@ -67,6 +77,11 @@ def _tree_rows(n: int, shape: tuple[int, int], repeats: int) -> list[dict[str, A
     t_ours = statistics.median(p[0] for p in pairs)
     t_theirs = statistics.median(p[1] for p in pairs)
     what = f"{n} leaves of {'x'.join(map(str, shape))} f32"
+    if loop:
+        return [{"name": f"README loop: grads_from + accumulate ({what})", "op": "accumulate (jax)",
+                 "seconds": t_ours, "vs_peer": t_theirs / t_ours, "leaves": n},
+                {"name": f"jitted jax.tree.map(jnp.add) ({what})", "op": "accumulate (jax)",
+                 "seconds": t_theirs, "leaves": n}]
     return [{"name": f"trainrec accumulate, jax ({what})", "op": "accumulate (jax)",
              "seconds": t_ours, "vs_peer": t_theirs / t_ours, "leaves": n},
             {"name": f"jitted jax.tree.map(jnp.add) ({what})", "op": "accumulate (jax)",

@@ -55,16 +55,16 @@ class GradientsAccumulator(Generic[M]):
         cast to the pending dtype."""
         self._accumulate(module, grads, None)
 
-    def accumulate_with_dtype(self, module: M, grads: GradientsParams, dtype: FloatDType) -> None:
+    def accumulate_with_dtype(self, module: M, grads: GradientsParams, dtype: FloatDType | Any) -> None:
         """Accumulate after converting incoming and pending gradients to `dtype`.
 
         FP32 accumulation can retain small additions to half-precision gradients.
         Parameter storage, loss normalization and accumulation counts are unchanged.
         Checkpoints preserve the pending gradient dtype; select the same dtype on
-        subsequent calls after restoring. No accumulator reset is performed."""
-        if not isinstance(dtype, FloatDType):
-            raise TypeError(f"dtype must be a FloatDType, got {dtype!r}")
-        self._accumulate(module, grads, dtype.dtype)
+        subsequent calls after restoring. No accumulator reset is performed.
+        `dtype` is a `FloatDType` or what `FloatDType.of` takes (`jnp.float32`,
+        `np.float32`, `torch.float32`, `"float32"`); anything else is a `TypeError`."""
+        self._accumulate(module, grads, FloatDType.of(dtype).dtype)
 
     def _accumulate(self, module: M, grads: GradientsParams, dtype: DType | None) -> None:
         if not isinstance(grads, GradientsParams):

@@ -10,7 +10,8 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
   `DType`, `FloatDType`, `TensorData`, `GradientsParams`, `StateRecord`, `RngRecord`,
   `record`;
 - checking a record before loading it (section 2): `expect_kind`, `check_tensor_map`,
-  `kind_mismatches`, and the errors `RecordMismatchError`, `CorruptRecordError`;
+  `kind_mismatches`, `cast_problem` (what a cast to the live dtype would change), and the
+  errors `RecordMismatchError`, `CorruptRecordError`;
   comparing what identifies a schedule or hyperparameters, with `allow_changes`
   (section 2): `Change`, `field_changes`, `same_value`, `settle`, `unchecked`,
   `parse_changes`, `for_component`, `ABSENT`, `UncheckedIdentityWarning`;
@@ -112,7 +113,15 @@ from .protocols import (
     Recorder,
 )
 from .recorders import RecorderBase
-from .records import RngRecord, StateRecord, check_tensor_map, expect_kind, kind_mismatches, record
+from .records import (
+    RngRecord,
+    StateRecord,
+    cast_problem,
+    check_tensor_map,
+    expect_kind,
+    kind_mismatches,
+    record,
+)
 from .registry import Adapter, adapt, register_adapter
 from .rules import PRESETS, Rule
 from .sniff import reader_of
@@ -177,6 +186,7 @@ __all__ = [
     "atomic_write",
     "check_item",
     "check_limits",
+    "cast_problem",
     "check_tensor_map",
     "compare_items",
     "crc32",

@@ -91,6 +91,33 @@ class FloatDType(enum.Enum):
     def dtype(self) -> DType:
         return DType(self.value)
 
+    @classmethod
+    def of(cls, dtype: object) -> FloatDType:
+        """The float dtype `dtype` names: a `FloatDType`, a float `DType`, a numpy or JAX
+        float dtype or type (`np.float32`, `jnp.bfloat16`), a torch float dtype, or a name
+        (`"float32"`, `"bfloat16"`, a file code such as `"f32"`). Raises `TypeError` for
+        anything else, saying where `FloatDType` lives."""
+        if isinstance(dtype, FloatDType):
+            return dtype
+        if isinstance(dtype, DType) and dtype.is_float:
+            return cls(dtype.value)
+        name = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
+        for member in cls:
+            if name == member.value:
+                return member
+        found = None
+        if name is not None and not isinstance(name, DType):  # np.dtype(None) is float64
+            try:
+                found = DType.from_numpy(np.dtype(name))  # type: ignore[call-overload]
+            except (TypeError, ValueError):
+                pass
+        if found is None or not found.is_float:
+            raise TypeError(
+                f"dtype must be a float dtype (float64, float32, float16, bfloat16), got {dtype!r}: "
+                "pass trainrec.FloatDType.F32 (from trainrec import FloatDType), a numpy or JAX float "
+                "dtype (np.float32, jnp.bfloat16), a torch one (torch.float32) or a name ('float32')")
+        return cls(found.value)
+
 
 _NUMPY: dict[DType, np.dtype[np.generic]] = {
     DType.F64: np.dtype("<f8"),

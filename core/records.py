@@ -673,11 +673,19 @@ def check_tensor_map(
     component: str,
     *,
     allow_subset: bool = False,
+    keep_dtype: bool = True,
 ) -> dict[str, TensorData]:
     """Check that `item` maps exactly the names of `expected` (or a subset, when
     `allow_subset`) to tensors of the expected shapes and dtype kinds (float, int, bool:
     a float may be restored into another float dtype). `expected` maps a name to
-    (shape, DType). Reports every mismatch at once in a `RecordMismatchError`."""
+    (shape, DType). Reports every mismatch at once in a `RecordMismatchError`.
+
+    `keep_dtype` (the default) says the restore casts each tensor to its expected dtype
+    (the live tensor's, as a torch parameter keeps its own): a tensor the cast would
+    change (f32 `1e6` into f16 is `inf`, i32 `300` into i8 is `44`, f32 into bf16
+    rounds) is refused, naming the leaf, both dtypes and the first changed element
+    (`cast_problem`). An adapter whose restored leaf takes the recorded dtype (the live
+    value only a template, as JAX's) passes `keep_dtype=False`."""
     if not isinstance(item, dict):
         raise RecordMismatchError("expected a map of tensors", key=component)
     problems: list[str] = []
@@ -699,10 +707,45 @@ def check_tensor_map(
             problems.append(f"{name}: shape {value.shape} in the record, {tuple(shape)} live")
         elif _kind_of(value.dtype) != _kind_of(dtype):
             problems.append(f"{name}: dtype {value.dtype.value} in the record, {dtype.value} live")
+        elif keep_dtype and value.dtype is not dtype:
+            problem = cast_problem(name, value, dtype)
+            if problem is not None:
+                problems.append(problem)
         out[name] = value
     if problems:
         raise RecordMismatchError("; ".join(problems), key=component)
     return out
+
+
+def cast_problem(name: str, value: TensorData, dtype: Any, why: str = "the live dtype") -> str | None:
+    """What casting the recorded tensor `value` to `dtype` (a `DType`) would change, as
+    one problem naming `name`, both dtypes and the first changed element, with how many
+    change; None when every element keeps its value (a NaN stays a NaN). Overflow (f32
+    `1e6` into f16), rounding (f32 into bf16) and wrapping ints (i32 `300` into i8, `-5`
+    into u8) all change values. `why` says what makes `dtype` the target."""
+    if value.dtype is dtype:
+        return None
+    source = np.asarray(value.array)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = source.astype(dtype.numpy)
+        back = cast.astype(source.dtype)
+    same = back == source
+    if value.dtype.is_float:
+        same |= np.isnan(back) & np.isnan(source)
+    if bool(np.all(same)):
+        return None
+    changed = ~same.reshape(-1)
+    first = int(np.argmax(changed))
+    at = tuple(int(i) for i in np.unravel_index(first, source.shape)) if source.ndim else ()
+    return (f"{name}: the record holds {value.dtype.value}, {why} is {dtype.value}, and the cast would "
+            f"change {int(changed.sum())} of {source.size} elements, first at index {list(at)}: "
+            f"{_scalar(source.reshape(-1)[first])} becomes {_scalar(cast.reshape(-1)[first])} (build the live "
+            f"tensor as {value.dtype.value}, as the recorded run held it)")
+
+
+def _scalar(x: Any) -> float | int | bool:
+    kind = np.dtype(type(x)).kind if not isinstance(x, np.generic) else x.dtype.kind
+    return bool(x) if kind == "b" else int(x) if kind in "iu" else float(x)
 
 
 def kind_mismatches(item: Item, like: Item, key: str) -> list[str]:

@@ -20,7 +20,7 @@ import pytest
 from trainrec_minigrad import MiniBackend, MiniModule, MiniWorkload, take_grads
 
 from trainrec import DType, RecordMismatchError, StateRecord, TensorData
-from trainrec.adapter_kit import Parts, RngRecord, expect_kind
+from trainrec.adapter_kit import Parts, RngRecord, check_tensor_map, expect_kind
 from trainrec.adapters.numpy.backend import NumpyBackend
 from trainrec.adapters.numpy.demo import NumpyWorkload
 from trainrec.adapters.numpy.mlp import MLP
@@ -153,6 +153,19 @@ def _check_shapes_only(self: MLP, record: Any) -> None:
     if not isinstance(item, dict) or set(item) != set(self.params) or any(
             getattr(v, "shape", None) != self.params[k].shape for k, v in item.items()):
         raise RecordMismatchError("names or shapes differ", key="model")
+
+
+class _UncheckedCastMLP(MLP):
+    """Checks names, shapes and dtype kinds, then casts each tensor to the live dtype
+    unchecked: f64 `1 + 2**-40` into f32 is `1.0`."""
+
+    def check_record(self, record: Any) -> None:
+        check_tensor_map(expect_kind(record, self.kind, "model"), self._expected(), "model", keep_dtype=False)
+
+    def load_record(self, record: Any, device: Any) -> None:
+        item = expect_kind(record, self.kind, "model")
+        for k, t in check_tensor_map(item, self._expected(), "model", keep_dtype=False).items():
+            self.params[k][...] = t.array.astype(self.params[k].dtype)
 
 
 def _any_cpu(self: Any, spec: Any) -> str:
@@ -350,6 +363,10 @@ MUTANTS = {
     "model check_record ignores the dtype kind": (
         Mutant("dtype-kind", model=type("M", (MLP,), {"check_record": _check_shapes_only})),
         r"contract: model\.check_record: .*layers\.0\.weight of another dtype kind"),
+    "model load_record casts to the live dtype unchecked": (
+        Mutant("unchecked-cast", model=_UncheckedCastMLP),
+        r"contract: model\.load_record\.layers\.0\.weight: a restore never changes a value it was not asked "
+        r"to: .*accepted and holds np\.float32\(1\.0\)"),
     "model into_record shares live memory": (
         Mutant("shared", model=type("M", (MLP,), {"into_record": _shared_record})),
         r"contract: capture: copies every component .*model\.layers\."),

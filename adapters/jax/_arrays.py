@@ -7,7 +7,8 @@ JAX record uses (`rng.key_item`: `{"impl": NAME, "data": uint32 tensor}`, as in
 before that form was shared (nnx and equinox keys as bare key data, their
 implementations under `#rng_impl`) are read as key items. A restore checks every leaf
 first (names, shapes, dtype kinds, key implementations) and gives new leaves of the
-live dtypes, placed as the live leaves are. A live leaf may be abstract (a
+recorded dtypes (the live leaves are templates: an nnx optimizer's bf16 moments may
+have been f32 when saved), placed as the live leaves are. A live leaf may be abstract (a
 `jax.ShapeDtypeStruct`, as `nnx.eval_shape` / `eqx.filter_eval_shape` give): the new leaf
 is placed by its sharding (the restore's device when it has none); capturing one is a
 `TypeError`.
@@ -31,6 +32,7 @@ from .placement import (
     is_abstract,
     is_array_like,
     place_tensor,
+    restored_dtype,
     sharding_of,
 )
 from .rng import is_typed_key, key_from_item, key_item, key_problems
@@ -107,14 +109,19 @@ def check(record: Any, kind: str, leaves: dict[str, Any], component: str) -> dic
     missing_keys = [k for k in keys if k not in item]
     if missing_keys:
         raise RecordMismatchError(f"missing {missing_keys}", key=component)
-    tensors: dict[str, Item] = dict(check_tensor_map(arrays, _expected(leaves), component))
+    tensors: dict[str, Item] = dict(check_tensor_map(arrays, _expected(leaves), component, keep_dtype=False))
+    for k, v in tensors.items():  # what JAX cannot hold (64-bit without x64) is refused now
+        if is_array_like(leaves[k]):
+            assert isinstance(v, TensorData)
+            restored_dtype(v, f"{component}.{k}")
     return {**tensors, **{k: item[k] for k in keys}}
 
 
 def rebuild(leaves: dict[str, Any], recorded: dict[str, Item], device: Any = None) -> dict[str, Any]:
-    """New leaves holding the recorded values (`check` first), each with its live leaf's
-    dtype (key implementation) and placement: its sharding, a live or abstract leaf's;
-    `device` (None: the default device) for an abstract leaf without one."""
+    """New leaves holding the recorded values (`check` first), each of its recorded dtype
+    (`restored_dtype`; a key of its live leaf's implementation) placed as its live leaf
+    is: its sharding, a live or abstract leaf's; `device` (None: the default device) for
+    an abstract leaf without one."""
     out: dict[str, Any] = {}
     dev = None
     for name, leaf in leaves.items():
@@ -126,7 +133,7 @@ def rebuild(leaves: dict[str, Any], recorded: dict[str, Item], device: Any = Non
         if is_array_like(leaf):
             if dev is None and sharding_of(leaf) is None:  # only an abstract leaf lacks one
                 dev = _BACKEND.device(device)
-            out[name] = place_tensor(value, leaf, dev, leaf.dtype, name)
+            out[name] = place_tensor(value, leaf, dev, restored_dtype(value, name), name)
         else:
-            out[name] = np.array(np.asarray(value.array).astype(leaf.dtype))
+            out[name] = np.array(value.array, copy=True)
     return out

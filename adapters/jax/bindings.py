@@ -3,7 +3,9 @@
 JAX values are immutable, so the protocol objects are small holders whose fields the
 training loop reassigns: `JaxModule(params)` (`.params`), `JaxOptimizer(tx, opt_state)`
 (`.opt_state`), `JaxLrScheduler(schedule, count)` (`.count`). Restoring assigns new
-pytrees of the same structure, dtypes and devices as the live ones.
+pytrees of the same structure and devices as the live ones, each leaf of its recorded
+dtype (the live tree is a template: optax's moments of bf16 params become f32 with f32
+gradients, which a fresh `tx.init` does not know).
 
 ParamIds are pytree key paths joined with `.` (dict keys, sequence indices, NamedTuple
 field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
@@ -59,6 +61,7 @@ from .placement import (
     is_abstract,
     is_array_like,
     place_tensor,
+    restored_dtype,
     sharding_of,
     start_host_copy,
 )
@@ -265,17 +268,9 @@ def accumulate_tree(pending: Any, grads: Any, dtype: Any = None) -> Any:
 
 
 def _float_dtype_name(dtype: Any) -> str:
-    """The numpy name of `dtype` (a `FloatDType`, `DType`, numpy / JAX dtype or name),
-    which must be a float dtype a record holds."""
-    dtype = getattr(dtype, "dtype", dtype) if isinstance(dtype, FloatDType) else dtype
-    try:
-        np_dtype = np.dtype(getattr(dtype, "numpy", dtype))
-    except TypeError as e:
-        raise TypeError(f"dtype must be a float dtype (FloatDType, jnp.float32, 'bfloat16'), got {dtype!r}") from e
-    if np_dtype not in _GRAD_DTYPES:
-        raise TypeError(f"dtype must be a float dtype a record holds (float64, float32, float16, "
-                        f"bfloat16), got {np_dtype}")
-    return str(np_dtype.name)
+    """The numpy name of `dtype` (what `FloatDType.of` takes), which must be a float dtype
+    a record holds; else `TypeError` saying where `FloatDType` lives."""
+    return str(FloatDType.of(dtype).dtype.numpy.name)
 
 
 def _checked(path: Any, leaf: Any, grad: Any = None) -> Any:
@@ -318,10 +313,10 @@ def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]
 
 
 def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
-    """A new tree of the live structure whose leaves are the recorded values, each with
-    its live leaf's dtype and placement: a live array's sharding, an abstract leaf's
-    (`jax.ShapeDtypeStruct`) sharding, else `device` for an abstract leaf without one;
-    a host (numpy) leaf stays on the host."""
+    """A new tree of the live structure whose leaves are the recorded values, each of its
+    recorded dtype (`restored_dtype`) placed as its live leaf is: a live array's sharding,
+    an abstract leaf's (`jax.ShapeDtypeStruct`) sharding, else `device` for an abstract
+    leaf without one; a host (numpy) leaf stays on the host."""
     new: list[Any] = []
     dev = None
     for name, leaf in live.items():
@@ -332,9 +327,9 @@ def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], devi
             if is_array_like(leaf):
                 if dev is None and sharding_of(leaf) is None:
                     dev = _BACKEND.device(device)
-                new.append(place_tensor(value, leaf, dev, _dtype(leaf), name))
+                new.append(place_tensor(value, leaf, dev, restored_dtype(value, name), name))
             else:
-                new.append(np.asarray(value.array).astype(_dtype(leaf)))
+                new.append(np.array(value.array, copy=True))
         else:
             new.append(value)
     return jax.tree_util.tree_unflatten(treedef, new)
@@ -350,7 +345,10 @@ def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, I
     tensors = {k: v for k, v in item.items() if isinstance(v, TensorData)}
     scalars = {k: v for k, v in item.items() if not isinstance(v, TensorData)}
     expected = _expected(live)
-    check_tensor_map(tensors, expected, component, allow_subset=True)
+    check_tensor_map(tensors, expected, component, allow_subset=True, keep_dtype=False)
+    for k, v in tensors.items():  # what JAX cannot hold (64-bit without x64) is refused now
+        if k in live and is_array_like(live[k]):
+            restored_dtype(v, f"{component}.{k}")
     missing = [k for k in live if k not in item]
     wrong = [k for k in scalars if k not in live or k in expected]
     if missing or wrong:
@@ -669,22 +667,44 @@ def grads_from(grad_tree: Any, module: Any) -> GradientsParams:
     tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module, in
     any container: dict, flax `FrozenDict`, nnx `State` or `nnx.to_pure_dict`'s dicts.
     `module` may be the `nnx.Module` or `eqx.Module` itself (`nnx.grad`'s `State`,
-    `eqx.filter_grad`'s module-shaped tree). Raises `ValueError` when `grad_tree` has leaves of which none is for a parameter of
-    `module`."""
+    `eqx.filter_grad`'s module-shaped tree). Raises `ValueError` when `grad_tree` has
+    leaves of which none is for a parameter of `module`.
+
+    A training loop calls this every micro-step, so the ParamIds are worked out once per
+    gradient tree structure (a treedef fixes every key path, as `_param_ids` caches the
+    module's) and checked against the module then; a later tree of that structure is
+    named without walking the module again (`accumulate`, `adopt` and `to_tree` refuse
+    gradients none of which is for their module all the same)."""
     module = _as_module(module)
-    leaves, _ = flatten(grad_tree)
-    ids = set(module.param_ids())
+    leaves, treedef = jax.tree_util.tree_flatten(grad_tree)
     prefix = module._trainable_prefix()
+    key = (treedef, prefix)
+    names = _GRAD_IDS.get(key)
+    if names is None:
+        names = _grad_names(grad_tree, set(module.param_ids()), prefix)
+        if len(_GRAD_IDS) >= 256:
+            _GRAD_IDS.clear()
+        _GRAD_IDS[key] = names
+    return GradientsParams(dict(zip(names, leaves)))
+
+
+_GRAD_IDS: dict[tuple[Any, str], tuple[str, ...]] = {}
+
+
+def _grad_names(grad_tree: Any, ids: set[str], prefix: str) -> tuple[str, ...]:
+    """The ParamIds of `grad_tree`'s leaves in pytree order: their key paths, under the
+    module's trainable `prefix` when that names more of the module's parameters."""
+    names = list(flatten(grad_tree)[0])
     if prefix:
-        qualified = {f"{prefix}.{k}": v for k, v in leaves.items()}
-        if sum(k in ids for k in qualified) > sum(k in ids for k in leaves):
-            leaves = qualified
-    if leaves and not ids.intersection(leaves):
+        qualified = [f"{prefix}.{k}" for k in names]
+        if sum(k in ids for k in qualified) > sum(k in ids for k in names):
+            names = qualified
+    if names and not ids.intersection(names):
         raise ValueError(
-            f"none of the gradient tree's {len(leaves)} leaves is a parameter of the module: "
-            f"leaves {sorted(leaves)[:3]}, module parameters {sorted(ids)[:3]}"
+            f"none of the gradient tree's {len(names)} leaves is a parameter of the module: "
+            f"leaves {sorted(names)[:3]}, module parameters {sorted(ids)[:3]}"
         )
-    return GradientsParams(leaves)
+    return tuple(names)
 
 
 def to_tree(grads: GradientsParams, module: Any, *, allow_empty: bool = False) -> Any:
@@ -741,6 +761,7 @@ class JaxAdapter:
             return _BACKEND
         if isinstance(obj, type) and issubclass(obj, jax.Array):
             return _BACKEND
+        _refuse_containers(obj)
         nnx = sys.modules.get("flax.nnx")
         if nnx is not None and isinstance(obj, nnx.Optimizer):
             from .nnx import NnxOptimizer
@@ -753,6 +774,25 @@ class JaxAdapter:
             from .equinox import EqxModule
             return EqxModule(obj)
         return None
+
+
+def _refuse_containers(obj: Any) -> None:
+    """`TypeError` saying what to pass instead, for flax containers that are no model or
+    optimizer of their own: a linen `TrainState` (both at once) and a bare `nnx.State`
+    (which says nothing of which variables are trainable)."""
+    train_state = sys.modules.get("flax.training.train_state")
+    if train_state is not None and isinstance(obj, train_state.TrainState):
+        raise TypeError(
+            "a flax TrainState holds the model's params and the optimizer's state together: pass "
+            "trainrec.adapters.jax.JaxModule(state.params) as the model and JaxOptimizer(state.tx, "
+            "state.opt_state) as the optimizer (record state.step in your own @trainrec.record state), "
+            "and after a restore state.replace(params=model.params, opt_state=optimizer.opt_state)")
+    statelib = sys.modules.get("flax.nnx.statelib")
+    if statelib is not None and isinstance(obj, statelib.State):
+        raise TypeError(
+            "a bare nnx.State says nothing of which variables are trainable: pass the nnx.Module "
+            "(or nnx.Optimizer) it came from, which trainrec binds as it is, or hold the state in "
+            "trainrec.adapters.jax.JaxModule(state), where every leaf is trainable")
 
 
 ADAPTER = JaxAdapter()

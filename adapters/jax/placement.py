@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainrec import DType, RecorderError, RecordMismatchError, ShardedTensor, TensorData
-from trainrec.adapter_kit import ShardIndex
+from trainrec.adapter_kit import ShardIndex, cast_problem
 
 __all__ = ["DeletedArrayError", "is_abstract", "is_array_like", "host_copy", "start_host_copy", "place",
            "abstract_error", "key_data_like", "key_impl_name", "sharding_of", "capture_tensor",
-           "place_tensor", "global_array", "shard_index", "shards_of"]
+           "place_tensor", "global_array", "shard_index", "shards_of", "restored_dtype"]
 
 
 class DeletedArrayError(ValueError):
@@ -133,6 +133,26 @@ def capture_tensor(x: Any) -> TensorData:
         return ShardedTensor(DType.from_numpy(x.dtype), tuple(int(d) for d in x.shape),
                              shards_of(x), x.sharding)
     return TensorData.from_array(host_copy(x), copy=False)
+
+
+def restored_dtype(value: TensorData, name: str) -> np.dtype[Any]:
+    """The dtype of the array a restore gives for the recorded `value`: the recorded one,
+    never the live leaf's (a JAX target is a template: a fresh `tx.init` of bf16 params
+    has bf16 moments where the run that saved them held f32), as JAX holds it: without
+    `jax_enable_x64` a 64-bit dtype is its 32-bit one, when no value changes; else
+    `RecordMismatchError` naming the leaf and the first value that would change."""
+    dtype: np.dtype[Any] = value.dtype.numpy
+    held = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if held == dtype:
+        return dtype
+    parts = value.shards.values() if isinstance(value, ShardedTensor) else [value]
+    why = "what JAX holds without jax_enable_x64"
+    for part in parts:
+        problem = cast_problem(name, part, DType.from_numpy(held), why)
+        if problem is not None:
+            raise RecordMismatchError(f"{problem}; or enable 64-bit JAX first: "
+                                      "jax.config.update('jax_enable_x64', True)", key=name)
+    return held
 
 
 def global_array(t: ShardedTensor, dtype: Any = None) -> jax.Array:

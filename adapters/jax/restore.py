@@ -17,9 +17,11 @@ __all__ = ["restore_tree"]
 
 
 def restore_tree(record: Any, target: Any, *, tx: Any = None, module: Any = None, device: Any = None) -> Any:
-    """The pytree `record` holds, with `target`'s structure and dtypes, each array placed
-    by its target leaf's sharding (a `jax.Array`'s, or a `jax.ShapeDtypeStruct`'s; one
-    without a sharding goes to `device`, None: JAX's default device).
+    """The pytree `record` holds, with `target`'s structure, each array of its recorded
+    dtype (the target is a template: a fresh `tx.init` of bf16 params has bf16 moments
+    where the run that saved them may have held f32) placed by its target leaf's
+    sharding (a `jax.Array`'s, or a `jax.ShapeDtypeStruct`'s; one without a sharding goes
+    to `device`, None: JAX's default device).
 
     Args:
         record: a component of a `TrainingRecord`: `.model` (of a `JaxModule`),
@@ -42,7 +44,8 @@ def restore_tree(record: Any, target: Any, *, tx: Any = None, module: Any = None
 
     Raises:
         RecordMismatchError: the record does not fit `target` (names, shapes, dtype kinds,
-            optimizer identity); nothing is changed.
+            optimizer identity), or holds 64-bit values JAX would change without
+            `jax_enable_x64`; nothing is changed.
         TypeError: `record` is no component record, or `tx` / `module` is missing.
 
     Example:

@@ -10,6 +10,7 @@ converts, so every recorder gives the same bits back, as uint32.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,11 +112,10 @@ def key_from_item(item: Item, like: Any = None, where: str = "key") -> jax.Array
 
 
 def _rngs_type() -> Any:
-    try:
-        from flax import nnx
-    except ImportError:
-        return None
-    return nnx.Rngs
+    """flax nnx's `Rngs`, when the program imported flax nnx (a caller holding an `Rngs`
+    did); None otherwise, without importing flax: the `jax` extra alone has none."""
+    nnx = sys.modules.get("flax.nnx")
+    return None if nnx is None else nnx.Rngs
 
 
 def _rngs_leaves(rngs: Any) -> tuple[dict[str, Any], Any, Any]:
@@ -195,10 +195,11 @@ class JaxRngRecord:
         new_keys = tuple(key_from_item(item, live, f"keys.{i}") for i, (item, live) in enumerate(zip(self.keys, keys)))
         states = [_rngs_new_state(item, r, f"rngs.{i}") for i, (item, r) in enumerate(zip(self.rngs, rngs))]
         self.base.apply(*np_gens)
-        from flax import nnx
+        if rngs:  # given an nnx Rngs, flax nnx is imported
+            from flax import nnx
 
-        for r, state in zip(rngs, states):
-            nnx.update(r, state)
+            for r, state in zip(rngs, states):
+                nnx.update(r, state)
         return new_keys
 
     def into_item(self, settings: PrecisionSettings) -> Item:

@@ -25,6 +25,7 @@ from trainrec import RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import (
     Change,
     Item,
+    cast_problem,
     check_tensor_map,
     expect_kind,
     field_changes,
@@ -289,9 +290,12 @@ class TorchOptimizer:
                 raise RecordMismatchError("per-parameter state must be a map", key=where)
             p = params[pid]
             if expected_keys is not None:
-                problems = _builtin_state_mismatches(entry, expected_keys(group_of[pid]), p)
+                keys = expected_keys(group_of[pid])
+                problems = _builtin_state_mismatches(entry, keys, p)
             else:
-                problems = _state_mismatches(entry, self.optimizer.state.get(p), p)
+                keys, problems = None, _state_mismatches(entry, self.optimizer.state.get(p), p)
+            if not problems:
+                problems = _cast_problems(entry, keys, p)
             if problems:
                 raise RecordMismatchError("; ".join(problems), key=where)
         accepted = settle(field_changes(recorded_fields, live_fields),
@@ -318,6 +322,24 @@ class TorchOptimizer:
             groups.append(hyper)
         state = {index[pid]: decode(entry) for pid, entry in item["state"].items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self._recorded_scalars(item["state"], module)
+
+    def _recorded_scalars(self, state: dict[str, Any], module: Any) -> None:
+        """Put back, in its recorded dtype, each 0-d state tensor a torch optimizer makes
+        in its own scalar dtype whatever the parameter's (NAdam's `mu_product`, ASGD's
+        `eta` and `mu`), which `load_state_dict` casts to the parameter's dtype: f32 into
+        a bf16 parameter's state would round, where the run that never stopped keeps f32."""
+        expected_keys = _STATE_KEYS.get(type(self.optimizer))
+        if expected_keys is None:
+            return
+        params = dict(named_parameters(_torch_module(module)))
+        for pid, entry in state.items():
+            live = self.optimizer.state.get(params[pid], {})
+            for name, v in entry.items():
+                t = live.get(name)
+                if (name != "step" and isinstance(v, TensorData) and isinstance(t, torch.Tensor)
+                        and v.shape == () and from_torch_dtype(t.dtype) is not v.dtype):
+                    live[name] = numpy_to_tensor(v.array).to(t.device)
 
 
 # Per-parameter state that torch's own optimizers create, from their group's
@@ -384,6 +406,19 @@ def _builtin_state_mismatches(entry: dict[str, Any], keys: _StateKeys, p: torch.
         elif name != "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
             problems.append(f"{name}: {type(v).__name__} {v!r:.40} in the record, a 0-d float tensor expected")
     return problems
+
+
+def _cast_problems(entry: dict[str, Any], keys: _StateKeys | None, p: torch.Tensor) -> list[str]:
+    """What torch's `load_state_dict` would change in `entry`: it casts every state tensor
+    but `step` to a floating parameter's dtype. A 0-d scalar a built-in optimizer keeps in
+    its own dtype (`keys` says which) is put back as recorded instead (`_recorded_scalars`)."""
+    if not p.is_floating_point():
+        return []
+    dtype = from_torch_dtype(p.dtype)
+    why = "the parameter's dtype (torch's load_state_dict casts optimizer state to it)"
+    return [problem for name, v in entry.items()
+            if name != "step" and isinstance(v, TensorData) and not (keys and keys.get(name) == "scalar")
+            for problem in [cast_problem(name, v, dtype, why)] if problem is not None]
 
 
 def _state_mismatches(entry: dict[str, Any], live: Any, p: torch.Tensor) -> list[str]:

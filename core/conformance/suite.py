@@ -437,6 +437,45 @@ class AdapterConformance:
                 f"never mutates: a restore refused for a {damage} (every check runs before any write) "
                 f"changed {changed}")
 
+    def test_restore_never_changes_a_value_it_was_not_asked_to(self, h: Workload, parts: Parts) -> None:
+        h.before_capture(parts)
+        rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
+                                     parts.accumulator, parts.state)
+        item = rec.into_item(_NATIVE)
+        assert isinstance(item, list) and isinstance(item[0], dict)
+        m = adapt_module(parts.model)
+        first, at = next(iter(_located(item[0]["state"], m).items()))
+        saved = _at(item[0]["state"], at)
+        if saved.dtype not in (DType.F32, DType.F16, DType.BF16):
+            pytest.skip(f"{first} is {saved.dtype.value}: no wider float of its kind to record it in")
+        # f64, the first element 1 + 2**-40: no narrower float holds it, so a cast to the
+        # live dtype changes it
+        wide = np.asarray(saved.array).astype(np.float64)
+        wide.reshape(-1)[0] = 1 + 2.0 ** -40
+        item[0]["state"] = _edited(item[0]["state"], at, TensorData.from_array(wide))
+        bad = TrainingRecord.from_item(item, h.device, h.state_type)
+        target = h.build(1)
+        run(h, target, 2 * h.window + 1)
+        before = snapshot(h, target)
+        where = f"model.load_record.{first}"
+        sentence = (f"a restore never changes a value it was not asked to: a record holding {first} as f64 "
+                    f"(a value {saved.dtype.value} cannot hold) restores the value exactly, in the recorded "
+                    "dtype, or is refused with a RecordMismatchError before anything is written")
+        try:
+            restored = bad.restore(target.model, target.optimizer, target.scheduler, h.device)
+        except RecordMismatchError:
+            after = snapshot(h, target)
+            _expect(after == before, where, f"{sentence}; refused, it changed {_differs(before, after)}")
+            return
+        except Exception as e:  # noqa: BLE001 - the contract is about the type
+            raise _broken(where, f"{sentence}; raised {type(e).__name__} instead: {e}") from e
+        back = adapt_module(restored.model).into_record().item
+        got = np.asarray(_at(back, _located(back, m)[first]).array)
+        _expect(np.array_equal(got.astype(np.float64), wide), where,
+                f"{sentence}; it was accepted and holds {got.reshape(-1)[0]!r} ({got.dtype}) for "
+                f"{wide.reshape(-1)[0]!r}: a cast to the live dtype unchecked (check_tensor_map checks "
+                "it, keep_dtype=True)")
+
     @pytest.mark.parametrize("component", ["model", "optimizer", "scheduler"])
     def test_check_record_rejects_what_does_not_fit_and_never_mutates(
             self, h: Workload, parts: Parts, component: str) -> None:
