@@ -106,8 +106,7 @@ def decode(data: bytes, source: str) -> Commit:
 def read_commit(store: Store, name: str) -> Commit:
     """The commit object `name` in `store`, decoded and checked. `FileMissingError` when
     there is none."""
-    data, _ = store.read(name, MAX_BYTES)
-    return decode(data, store.url_of(name))
+    return decode(store.fetch(name, MAX_BYTES), store.url_of(name))
 
 
 def expectations(store: Store, commit: Commit) -> dict[str, Written]:

@@ -178,26 +178,61 @@ def upload(url: str, *, exclusive: bool = False) -> Iterator[Any]:
     has conditional writes). OSErrors are raised as `RecorderError` naming `url`."""
     fs, path = filesystem(url)
     with _errors(url, writing=True):
-        if scheme_of(url) == "memory":
-            buf = io.BytesIO()
-            sink = _CrcSink(buf)
+        out = _Upload(fs, path, exclusive, streams=scheme_of(url) != "memory")
+        sink = _CrcSink(out)
+        try:
             yield sink
-            Store._memory_put(fs, path, buf.getbuffer(), exclusive=exclusive)
-        else:
-            f = fs.open(path, "xb" if exclusive else "wb", block_size=PART_BYTES,
-                        autocommit=False)
-            sink = _CrcSink(f)
-            try:
-                yield sink
-                f.close()  # uploads the last part; the object is not there yet
-                f.commit()
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    f.discard()
-                raise
+            out.finish()
+        except BaseException:
+            out.abort()
+            raise
     log = getattr(_local, "uploads", None)
     if log is not None:
         log[url] = Written(sink.size, sink.crc)
+
+
+class _Upload:
+    """The bytes of one object on their way: held until they fill a part, then streamed
+    as a multipart upload that `finish` completes (the object appears) and `abort`
+    abandons; an object smaller than a part is one PUT at `finish`. `memory://` holds
+    the whole object and stores it at `finish`."""
+
+    def __init__(self, fs: Any, path: str, exclusive: bool, *, streams: bool) -> None:
+        self._fs, self._path, self._exclusive, self._streams = fs, path, exclusive, streams
+        self._held: io.BytesIO | None = io.BytesIO()
+        self._file: Any = None
+
+    def write(self, data: memoryview) -> None:
+        if self._file is not None:
+            self._file.write(data)
+            return
+        assert self._held is not None
+        self._held.write(data)
+        if self._streams and self._held.tell() >= PART_BYTES:
+            self._file = self._fs.open(self._path, "xb" if self._exclusive else "wb",
+                                       block_size=PART_BYTES, autocommit=False)
+            held, self._held = self._held, None
+            self._file.write(held.getbuffer())
+            del held
+
+    def finish(self) -> None:
+        if self._file is not None:
+            self._file.close()  # uploads the last part; the object is not there yet
+            self._file.commit()
+            return
+        assert self._held is not None
+        data = self._held.getbuffer()
+        if not self._streams:
+            Store._memory_put(self._fs, self._path, data, exclusive=self._exclusive)
+        else:
+            self._fs.pipe_file(self._path, bytes(data),
+                               mode="create" if self._exclusive else "overwrite")
+
+    def abort(self) -> None:
+        self._held = None
+        if self._file is not None:
+            with contextlib.suppress(Exception):
+                self._file.discard()
 
 
 @contextlib.contextmanager
@@ -259,7 +294,11 @@ def output(target: Path | str, *, durable: bool = True, size_hint: int = 0) -> A
 
 
 def object_size(url: str) -> int:
-    """The size of the object `url` (`FileMissingError` when there is none)."""
+    """The size of the object `url` (`FileMissingError` when there is none); the size
+    `expecting` says when it says one (the read checks it)."""
+    expected = _expected(url)
+    if expected is not None:
+        return expected.size
     fs, path = filesystem(url)
     with _errors(url):
         info = fs.info(path)
@@ -268,29 +307,34 @@ def object_size(url: str) -> int:
         return int(info["size"])
 
 
-def read_into(url: str, buf: np.ndarray[Any, Any], offset: int = 0) -> None:
-    """Fill `buf` (bytes) with the object `url` from `offset`, in ranged reads of
-    `READ_BYTES`; the CRC and size are checked against `expecting` (a whole-object read
-    only). `CorruptRecordError` when the object ends early."""
+def read_into(url: str, buf: np.ndarray[Any, Any]) -> None:
+    """Fill `buf` (bytes) with the object `url`, in ranged reads of `READ_BYTES`, each
+    copied into place; the size and CRC are checked against `expecting`.
+    `CorruptRecordError` when the object ends early (or, expected, goes on)."""
     fs, path = filesystem(url)
     view = buf.data.cast("B")
-    expected = _expected(url) if offset == 0 else None
-    crc = 0
+    n = len(view)
+    expected = _expected(url)
+    crc = got = 0
     with _errors(url):
-        with fs.open(path, "rb", block_size=READ_BYTES, cache_type="none") as f:
-            if offset:
-                f.seek(offset)
-            got = 0
-            while got < len(view):
-                n = f.readinto(view[got: got + READ_BYTES])
-                if not n:
-                    raise CorruptRecordError(f"the object ended after {offset + got} bytes",
-                                             source=url)
-                if expected is not None:
-                    crc = crc32(view[got: got + n], crc)
-                got += n
+        while got < n or (expected is not None and got == n == 0):
+            end = min(got + READ_BYTES, n)
+            ask = end + 1 if end == n and expected is not None else end  # one more: longer?
+            data = fs.cat_file(path, start=got, end=ask)
+            if len(data) < end - got:
+                raise CorruptRecordError(f"the object ended after {got + len(data)} bytes, "
+                                         f"not {n}", source=url)
+            if len(data) > end - got:
+                raise CorruptRecordError(f"the object holds more than the {n} bytes its commit "
+                                         "says: replaced", source=url)
+            view[got:end] = data
+            if expected is not None:
+                crc = crc32(view[got:end], crc)
+            got = end
+            if n == 0:
+                break
     if expected is not None:
-        _check(url, Written(len(view), crc), expected)
+        _check(url, Written(n, crc), expected)
 
 
 def read_bytes(url: str, max_bytes: int) -> bytes:
@@ -396,6 +440,16 @@ class Store:
                                          "a load accepts", source=url)
             data = bytes(self.fs.cat_file(self._path(name)))
             return data, str(info.get("ETag", ""))
+
+    def fetch(self, name: str, max_bytes: int) -> bytes:
+        """The object `name` (one GET), `CorruptRecordError` when larger than `max_bytes`,
+        `FileMissingError` when it is not there."""
+        url = self.url_of(name)
+        with _errors(url):
+            data = bytes(self.fs.cat_file(self._path(name), start=0, end=max_bytes + 1))
+        if len(data) > max_bytes:
+            raise CorruptRecordError(f"more than the {max_bytes} bytes a load accepts", source=url)
+        return data
 
     def put(self, name: str, data: bytes) -> None:
         url = self.url_of(name)

@@ -140,7 +140,8 @@ class StoreCheckpointManager(CheckpointManager):
                 self._store.delete(name)
 
     def _retain(self, newest: int, newest_path: Any) -> None:
-        steps = self._complete_steps()
+        listing = self._store.list()
+        steps = _steps_in(listing)
         keep = self._kept(steps, newest)
         for s in (s for s in steps if s not in keep and s < newest):
             try:
@@ -150,14 +151,15 @@ class StoreCheckpointManager(CheckpointManager):
             except RecorderError:
                 commit = None  # damaged: the step goes, its objects when they are old
             self._store.delete(_commit_name(s))  # first: the step is gone at once
+            listing.pop(_commit_name(s), None)
             for o in commit.objects if commit is not None else ():
                 self._store.delete(o.name)
-        self._sweep(newest)
+                listing.pop(o.name, None)
+        self._sweep(newest, listing)
 
-    def _sweep(self, newest: int) -> None:
+    def _sweep(self, newest: int, listing: dict[str, dict[str, Any]]) -> None:
         """Delete objects no commit names: a failed save's of this manager, or any older
         than two leases (no writer can still commit them)."""
-        listing = self._store.list()
         committed = {int(m.group(1)) for n in listing if (m := _COMMIT.fullmatch(n))}
         now = time.time()
         for name, info in listing.items():
@@ -181,8 +183,7 @@ class StoreCheckpointManager(CheckpointManager):
     # -- reading ---------------------------------------------------------------------------
 
     def _complete_steps(self) -> list[int]:
-        return sorted(int(m.group(1)) for n in self._store.list()
-                      if (m := _COMMIT.fullmatch(n)) and n == _commit_name(int(m.group(1))))
+        return _steps_in(self._store.list())
 
     def _path(self, step: int) -> Any:
         return self._store.url_of(_commit_name(step))
@@ -237,6 +238,12 @@ class StoreCheckpointManager(CheckpointManager):
         with expecting(expectations(self._store, commit)):
             return TrainingRecord.load(self.recorder, self._store.url_of(entry.name), device,
                                        state_type=state_type)
+
+
+def _steps_in(listing: dict[str, Any]) -> list[int]:
+    """The committed steps among a folder's object names, ascending."""
+    return sorted(int(m.group(1)) for n in listing
+                  if (m := _COMMIT.fullmatch(n)) and n == _commit_name(int(m.group(1))))
 
 
 def _commit_name(step: int) -> str:
