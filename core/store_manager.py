@@ -155,9 +155,9 @@ class StoreCheckpointManager(CheckpointManager):
             for o in commit.objects if commit is not None else ():
                 self._store.delete(o.name)
                 listing.pop(o.name, None)
-        self._sweep(newest, listing)
+        self._sweep_uncommitted(newest, listing)
 
-    def _sweep(self, newest: int, listing: dict[str, dict[str, Any]]) -> None:
+    def _sweep_uncommitted(self, newest: int, listing: dict[str, dict[str, Any]]) -> None:
         """Delete objects no commit names: a failed save's of this manager, or any older
         than two leases (no writer can still commit them)."""
         committed = {int(m.group(1)) for n in listing if (m := _COMMIT.fullmatch(n))}
