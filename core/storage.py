@@ -45,10 +45,10 @@ from .errors import CorruptRecordError, FileMissingError, RecorderError
 __all__ = ["is_url", "location", "Store", "upload", "read_into", "read_bytes", "object_size",
            "uploads", "expecting", "open_input", "download", "output", "Written", "PART_BYTES", "READ_BYTES"]
 
-PART_BYTES = 32 << 20
+PART_BYTES = 16 << 20
 """The size of one uploaded part: what a save to a URL holds in memory at most (beyond the
 state it serializes)."""
-READ_BYTES = 32 << 20
+READ_BYTES = 16 << 20
 """The size of one ranged read of a load from a URL."""
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
