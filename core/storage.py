@@ -32,6 +32,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ PART_BYTES = 16 << 20
 state it serializes)."""
 READ_BYTES = 16 << 20
 """The size of one ranged read of a load from a URL."""
+_AHEAD = 3
+"""Ranged reads in flight at once (each held until copied into place)."""
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -315,24 +318,29 @@ def read_into(url: str, buf: np.ndarray[Any, Any]) -> None:
     view = buf.data.cast("B")
     n = len(view)
     expected = _expected(url)
-    crc = got = 0
-    with _errors(url):
-        while got < n or (expected is not None and got == n == 0):
-            end = min(got + READ_BYTES, n)
-            ask = end + 1 if end == n and expected is not None else end  # one more: longer?
-            data = fs.cat_file(path, start=got, end=ask)
-            if len(data) < end - got:
-                raise CorruptRecordError(f"the object ended after {got + len(data)} bytes, "
+    crc = 0
+    ranges = [(start, min(start + READ_BYTES, n)) for start in range(0, n, READ_BYTES)] or [(0, 0)]
+
+    def fetch(start: int, end: int) -> bytes:
+        ask = end + 1 if end == n and expected is not None else end  # one more: longer?
+        return bytes(fs.cat_file(path, start=start, end=ask)) if ask > start else b""
+
+    with _errors(url), ThreadPoolExecutor(_AHEAD) as ahead:  # the next ranges come in meanwhile
+        pending = [ahead.submit(fetch, *r) for r in ranges[:_AHEAD]]
+        for i, (start, end) in enumerate(ranges):
+            data = pending.pop(0).result()
+            if i + _AHEAD < len(ranges):
+                pending.append(ahead.submit(fetch, *ranges[i + _AHEAD]))
+            if len(data) < end - start:
+                raise CorruptRecordError(f"the object ended after {start + len(data)} bytes, "
                                          f"not {n}", source=url)
-            if len(data) > end - got:
+            if len(data) > end - start:
                 raise CorruptRecordError(f"the object holds more than the {n} bytes its commit "
                                          "says: replaced", source=url)
-            view[got:end] = data
+            view[start:end] = data
+            del data
             if expected is not None:
-                crc = crc32(view[got:end], crc)
-            got = end
-            if n == 0:
-                break
+                crc = crc32(view[start:end], crc)
     if expected is not None:
         _check(url, Written(n, crc), expected)
 
