@@ -206,6 +206,10 @@ class _Upload:
         self._file: Any = None
 
     def write(self, data: memoryview) -> None:
+        if data.nbytes > PART_BYTES:  # a tensor's bytes: a part at a time, never all held
+            for start in range(0, data.nbytes, PART_BYTES):
+                self.write(data[start: start + PART_BYTES])
+            return
         if self._file is not None:
             self._file.write(data)
             return
