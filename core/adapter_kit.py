@@ -21,6 +21,8 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 - registration (section 3): `Adapter`, `register_adapter`, `adapt`;
 - a recorder of the adapter's own file format: `RecorderBase`, `Precision`,
   `store_tensor`, `check_limits`, `atomic_write` (crash-safe file replacement);
+  `location` and `output` (a path or a store URL, and where a save to it writes), `read_url`
+  (a record object at a URL, read by its format's reader);
 - reading the files of a checkpoint safely: `open_regular` (a regular file only: a FIFO
   or device is refused, never waited on; `follow=False` refuses a link), `read_json` (a
   JSON file within bounds of bytes, values and depth) and `json_fits` (the same bounds,
@@ -123,8 +125,10 @@ from .records import (
     record,
 )
 from .registry import Adapter, adapt, register_adapter
+from .remote import read_url
 from .rules import PRESETS, Rule
 from .sniff import reader_of
+from .storage import location, output
 from .tensor import ShardedTensor, ShardIndex, TensorData
 from .training import TrainingRecord
 from .workload import Parts, Workload, train_until
@@ -184,6 +188,9 @@ __all__ = [
     "as_list",
     "as_map",
     "atomic_write",
+    "location",
+    "output",
+    "read_url",
     "check_item",
     "check_limits",
     "cast_problem",

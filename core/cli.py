@@ -26,6 +26,7 @@ from typing import Any
 
 from .errors import CorruptRecordError, FileMissingError, RecorderError
 from .items import Item, map_leaves
+from .storage import is_url
 from .tensor import TensorData
 
 __all__ = ["main"]
@@ -196,7 +197,9 @@ def _regular_file(path: str, *, checkpoint: bool = True) -> None:
     one): a FIFO would block the read forever, a device never end. A directory given as a
     `checkpoint` is left to `read_file` (one of a directory format, such as Orbax's, or
     refused there). Raises `FileMissingError` for a missing path or another directory,
-    `RecorderError` for the rest."""
+    `RecorderError` for the rest. A store URL is left to `read_file` (its store says)."""
+    if is_url(path):
+        return
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError as e:
@@ -315,6 +318,9 @@ def _verify(path: str, as_json: bool) -> int:
     from .items import iter_tensors
     from .recorders import read_file
 
+    if is_url(path) and (steps := _committed_steps(path)):
+        return max(_verify(f"{path.rstrip('/')}/{name}", as_json) for _, name in steps)
+
     count = total = 0
     try:
         _regular_file(path)
@@ -344,6 +350,23 @@ def _verify(path: str, as_json: bool) -> int:
         what = "" if entries is None else f"{entries[1]} {entries[0]} ({entries[2]} bytes) and "
         print(_printable(f"OK: {path}: {what}{count} tensors ({total} bytes); verified: {checked}"))
     return 0
+
+
+def _committed_steps(url: str) -> list[tuple[int, str]]:
+    """The committed steps of a manager's folder at `url` (none for an object's URL):
+    `verify` checks each."""
+    from .remote import committed
+    from .storage import object_size
+
+    try:
+        object_size(url)
+        return []
+    except RecorderError:
+        pass
+    try:
+        return committed(url)
+    except RecorderError:
+        return []
 
 
 def _diff(a: str, b: str, as_json: bool) -> int:

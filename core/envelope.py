@@ -161,9 +161,17 @@ def restore_dtypes(item: Item, dtypes: Any, source: str) -> Item:
 
 
 def path_arg(args: Any) -> Path:
-    """A file recorder's args as a `Path`; `TypeError` for anything else."""
+    """A file recorder's args as a `Path`; `TypeError` for anything else, a store URL
+    included (`Path` would fold `s3://b/x` into a local `s3:/b/x`): a recorder that saves
+    to URLs takes its args with `storage.location`."""
     if not isinstance(args, (str, os.PathLike)):
         raise TypeError(f"file recorders take a path, got {type(args).__name__}")
+    from .storage import is_url
+
+    if is_url(args):
+        raise TypeError(f"this recorder takes a local path, not the URL {args!r} (the "
+                        "NamedMpk, gzip, .pt and flax file recorders and CheckpointManager "
+                        "take URLs)")
     return Path(args)
 
 

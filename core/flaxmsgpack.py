@@ -26,7 +26,6 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._atomic import atomic_write
 from ._files import open_regular
 from .checksum import crc32
 from .dtypes import DType
@@ -37,7 +36,6 @@ from .envelope import (
     check_file_crc,
     header_fields,
     parse_header,
-    path_arg,
     reserve_bytes,
     restore_dtypes,
     verify_checksums,
@@ -48,6 +46,7 @@ from .items import Item, check_item, join_key, walk
 from .precision import NativePrecisionSettings, store_tensor
 from .recorders import RecorderBase
 from .sniff import HEAD_BYTES, format_of, reader_of
+from .storage import location, output
 from .tensor import TensorData
 
 __all__ = ["FlaxMsgpackFileRecorder", "MAX_CHUNK_SIZE"]
@@ -105,9 +104,9 @@ class FlaxMsgpackFileRecorder(RecorderBase):
 
     def save_item(
         self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
-    ) -> Path:
+    ) -> Path | str:
         check_item(item)
-        path = path_arg(args)
+        path = location(args)
         # the reader's bounds, at its depths: the item under the envelope map, a tensor an ext leaf
         check_limits(item, depth=2, tensor_depth=0, source=str(path))
         _check_no_chunk_marker(item, "", str(path))
@@ -134,7 +133,7 @@ class FlaxMsgpackFileRecorder(RecorderBase):
             else:
                 f.write(packer.pack(node))
 
-        with atomic_write(path, size_hint=reserve_bytes(item, s)) as out:
+        with output(path, size_hint=reserve_bytes(item, s)) as out:
             f = CrcWriter(out)
             f.write(packer.pack_map_header(len(header) + 4))  # item, checksums, dtypes, crc
             for k, v in header.items():
@@ -153,7 +152,11 @@ class FlaxMsgpackFileRecorder(RecorderBase):
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         """Header and item; `mmap=True` maps the file (tensors view the map) instead of
         reading it into memory. The structure is checked before the file is read."""
-        path = path_arg(args)
+        path = location(args)
+        if isinstance(path, str):  # through a local copy (remote.py)
+            from .remote import read_url
+
+            return read_url(path, mmap, only="trainrec.flax")
         source = str(path)
         with reading(source):
             with open_regular(path, source) as f:

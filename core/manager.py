@@ -67,6 +67,7 @@ from .errors import FileMissingError, RecorderError
 from .precision import NativePrecisionSettings
 from .protocols import Recorder
 from .recorders import NamedMpkFileRecorder
+from .storage import is_url, location
 from .training import TrainingRecord
 
 __all__ = ["CheckpointManager", "KeepBest", "Preemption"]
@@ -166,34 +167,8 @@ class CheckpointManager:
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
-        if not isinstance(read_only, bool):
-            raise TypeError(f"read_only must be a bool, got {type(read_only).__name__}")
-        if recorder is None:
-            recorder = NamedMpkFileRecorder(NativePrecisionSettings())
-        suffix = getattr(recorder, "suffix", None)
-        if not isinstance(recorder, Recorder) or not isinstance(suffix, str) or not suffix:
-            raise TypeError(
-                f"CheckpointManager needs a file recorder (one with a `suffix` such as '.mpk'), "
-                f"got {type(recorder).__name__}")
-        self.keep_last = _positive_or_none(keep_last, "keep_last")
-        self.keep_every = _positive_or_none(keep_every, "keep_every")
-        if best is not None and not isinstance(best, KeepBest):
-            if not isinstance(best, tuple) or len(best) != 3:
-                raise TypeError(f"best must be KeepBest(metric, mode, k) or a tuple (metric, "
-                                f"mode, k), e.g. ('loss', 'min', 2); got {best!r}")
-            best = KeepBest(*best)
-        self.best: KeepBest | None = best
-        self.recorder = recorder
-        self.directory = Path(directory)
-        self.read_only = read_only
-        self._suffix = suffix
-        self._name = re.compile(_STEP.pattern + re.escape(suffix))
-        self._is_dir = getattr(recorder, "is_directory", False) is True
-        leftovers = getattr(recorder, "temp_suffixes", ())
-        if isinstance(leftovers, str) or not all(isinstance(x, str) and x for x in leftovers):
-            raise TypeError(f"{type(recorder).__name__}.temp_suffixes must be a tuple of name "
-                            f"endings, got {leftovers!r}")
-        self._leftovers = tuple(leftovers)
+        self._configure(recorder, keep_last, keep_every, best, read_only)
+        self.directory = Path(location(directory))
         try:
             found = os.stat(self.directory)
         except FileNotFoundError:
@@ -219,6 +194,44 @@ class CheckpointManager:
         self._finalizer = weakref.finalize(self, _finalize, self._outcome, self._lock)
         latest = self.latest_step()
         self._newest = -1 if latest is None else latest
+
+    def __new__(cls, directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
+        if cls is CheckpointManager and is_url(directory):  # a store: the commit protocol
+            from .store_manager import StoreCheckpointManager
+
+            return super().__new__(StoreCheckpointManager)
+        return super().__new__(cls)
+
+    def _configure(self, recorder: Recorder | None, keep_last: int | None,
+                   keep_every: int | None, best: Any, read_only: bool) -> None:
+        """Check and keep the arguments that do not depend on where the steps are."""
+        if not isinstance(read_only, bool):
+            raise TypeError(f"read_only must be a bool, got {type(read_only).__name__}")
+        if recorder is None:
+            recorder = NamedMpkFileRecorder(NativePrecisionSettings())
+        suffix = getattr(recorder, "suffix", None)
+        if not isinstance(recorder, Recorder) or not isinstance(suffix, str) or not suffix:
+            raise TypeError(
+                f"CheckpointManager needs a file recorder (one with a `suffix` such as '.mpk'), "
+                f"got {type(recorder).__name__}")
+        self.keep_last = _positive_or_none(keep_last, "keep_last")
+        self.keep_every = _positive_or_none(keep_every, "keep_every")
+        if best is not None and not isinstance(best, KeepBest):
+            if not isinstance(best, tuple) or len(best) != 3:
+                raise TypeError(f"best must be KeepBest(metric, mode, k) or a tuple (metric, "
+                                f"mode, k), e.g. ('loss', 'min', 2); got {best!r}")
+            best = KeepBest(*best)
+        self.best: KeepBest | None = best
+        self.recorder = recorder
+        self.read_only = read_only
+        self._suffix = suffix
+        self._name = re.compile(_STEP.pattern + re.escape(suffix))
+        self._is_dir = getattr(recorder, "is_directory", False) is True
+        leftovers = getattr(recorder, "temp_suffixes", ())
+        if isinstance(leftovers, str) or not all(isinstance(x, str) and x for x in leftovers):
+            raise TypeError(f"{type(recorder).__name__}.temp_suffixes must be a tuple of name "
+                            f"endings, got {leftovers!r}")
+        self._leftovers = tuple(leftovers)
 
     def __repr__(self) -> str:
         return (f"CheckpointManager({str(self.directory)!r}, {self.recorder!r}, "

@@ -18,7 +18,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 _NOT_RUN = re.compile(r"<!-- readme-test: not run:(.*?)-->[ \t]*\n\Z")
 _OPTIONAL = ("torch", "jax", "flax", "optax", "equinox", "orbax", "accelerate", "lightning", "torchdata",
-             "transformers")
+             "transformers", "fsspec")
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
 TIMEOUT_S = 300
 

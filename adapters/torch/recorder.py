@@ -33,13 +33,14 @@ from trainrec.adapter_kit import (
     RecorderError,
     TensorData,
     TensorTables,
-    atomic_write,
     check_item,
     check_limits,
     header_fields,
+    location,
     map_leaves,
-    path_arg,
+    output,
     ptfile,
+    read_url,
     reserve_bytes,
     store_tensor,
 )
@@ -90,9 +91,9 @@ class TorchFileRecorder(RecorderBase):
 
     def save_item(
         self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
-    ) -> Path:
+    ) -> Path | str:
         check_item(item)
-        path = path_arg(args)
+        path = location(args)
         # the reader's bounds, at its depths: the item at 0, a tensor one leaf
         check_limits(item, depth=0, tensor_depth=0, source=str(path))
         tables = TensorTables()
@@ -107,7 +108,7 @@ class TorchFileRecorder(RecorderBase):
 
         doc = {**header_fields(FORMAT, VERSION, self.settings, record_type),
                "item": map_leaves(item, convert), "checksums": tables.checksums, "dtypes": tables.dtypes}
-        with atomic_write(path, size_hint=reserve_bytes(item, self.settings)) as f:
+        with output(path, size_hint=reserve_bytes(item, self.settings)) as f:
             sink = CrcWriter(f, hold=_EOCD)
             torch.save(doc, sink)  # type: ignore[arg-type]  # a file-like writer, as torch.save takes
             end = sink.held
@@ -123,4 +124,7 @@ class TorchFileRecorder(RecorderBase):
         """Header and item, read by core's torch-free reader (`trainrec.ptfile`): the
         pickle is interpreted with an allow-list of names, never unpickled, so reading
         runs no code from the file; `mmap=True` maps the file instead of reading it."""
-        return read_pt(path_arg(args), mmap)
+        path = location(args)
+        if isinstance(path, str):  # through a local copy (trainrec.remote)
+            return read_url(path, mmap, only="trainrec.torch")
+        return read_pt(path, mmap)
