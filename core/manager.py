@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import json
 import math
 import operator
@@ -201,6 +202,9 @@ class CheckpointManager:
 
             return super().__new__(StoreCheckpointManager)
         return super().__new__(cls)
+
+    # what help() and inspect.signature show is __init__'s, not the dispatching __new__'s
+    __signature__ = inspect.Signature(list(inspect.signature(__init__).parameters.values())[1:])
 
     def _configure(self, recorder: Recorder | None, keep_last: int | None,
                    keep_every: int | None, best: Any, read_only: bool) -> None:
