@@ -41,23 +41,8 @@ fsspec = pytest.importorskip("fsspec", reason="the [s3] extra (fsspec, s3fs) is 
 NATIVE = NativePrecisionSettings()
 
 
-@trainrec.record
-class Tagged:
-    step: int
-
-
-def _record(step: int, size: int = 8) -> TrainingRecord:
-    model = MLP([size, size, 2], seed=0)
-    for v in model.params.values():
-        v[...] = step
-    return TrainingRecord.capture(model, AdamW(), StepLr(0.1, 2), GradientsAccumulator(), Tagged(step))
-
-
-def _check(mgr: CheckpointManager, step: int) -> None:
-    rec = mgr.load(step, state_type=Tagged)
-    assert rec.state.step == step
-    for name, t in rec.model.item.items():
-        assert np.all(t.array == step), name
+# the local manager's tests' records, checked the same way on a store
+from test_manager import _check, _record  # noqa: E402
 
 
 def _item() -> dict:
