@@ -25,8 +25,10 @@ def _server() -> tuple[subprocess.Popen[bytes], int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = open(os.environ.get("MOTO_LOG", os.devnull), "wb")  # noqa: SIM115  # the server's
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=log)
+    log.close()
     for _ in range(600):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()

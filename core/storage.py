@@ -31,7 +31,7 @@ import io
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +52,8 @@ state it serializes)."""
 READ_BYTES = 16 << 20
 """The size of one ranged read of a load from a URL."""
 _AHEAD = 3
-"""Ranged reads in flight at once (each held until copied into place)."""
+"""Ranged reads in flight at once (on s3:// each streamed into place, elsewhere each held
+until copied into place)."""
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -315,38 +316,144 @@ def object_size(url: str) -> int:
 
 
 def read_into(url: str, buf: np.ndarray[Any, Any]) -> None:
-    """Fill `buf` (bytes) with the object `url`, in ranged reads of `READ_BYTES`, each
-    copied into place; the size and CRC are checked against `expecting`.
-    `CorruptRecordError` when the object ends early (or, expected, goes on)."""
+    """Fill `buf` (bytes) with the object `url`, in ranged reads of `READ_BYTES`, `_AHEAD`
+    of them in flight; the size and CRC are checked against `expecting` (the CRC of each
+    range as it lands, in order, while the next ones come in). `CorruptRecordError` when
+    the object ends early (or, expected, goes on).
+
+    On s3:// each ranged GET's body streams straight into its slice of `buf` (chunks of at
+    most `_CHUNK`: no range is ever held whole); on any other store each range is one
+    `cat_file` copied into place (`_AHEAD` ranges held at most)."""
     fs, path = filesystem(url)
     view = buf.data.cast("B")
     n = len(view)
     expected = _expected(url)
-    crc = 0
     ranges = [(start, min(start + READ_BYTES, n)) for start in range(0, n, READ_BYTES)] or [(0, 0)]
-
-    def fetch(start: int, end: int) -> bytes:
-        ask = end + 1 if end == n and expected is not None else end  # one more: longer?
-        return bytes(fs.cat_file(path, start=start, end=ask)) if ask > start else b""
-
-    with _errors(url), ThreadPoolExecutor(_AHEAD) as ahead:  # the next ranges come in meanwhile
-        pending = [ahead.submit(fetch, *r) for r in ranges[:_AHEAD]]
-        for i, (start, end) in enumerate(ranges):
-            data = pending.pop(0).result()
-            if i + _AHEAD < len(ranges):
-                pending.append(ahead.submit(fetch, *ranges[i + _AHEAD]))
-            if len(data) < end - start:
-                raise CorruptRecordError(f"the object ended after {start + len(data)} bytes, "
-                                         f"not {n}", source=url)
-            if len(data) > end - start:
-                raise CorruptRecordError(f"the object holds more than the {n} bytes its commit "
-                                         "says: replaced", source=url)
-            view[start:end] = data
-            del data
-            if expected is not None:
-                crc = crc32(view[start:end], crc)
+    streams = hasattr(fs, "_call_s3") and getattr(fs, "loop", None) is not None
+    crc = 0
+    with _errors(url):
+        landed = (_s3_ranges if streams else _cat_ranges)(fs, path, view, ranges, expected is not None)
+        try:
+            for (start, end), got in zip(ranges, landed):
+                if got < end - start:
+                    raise CorruptRecordError(f"the object ended after {start + got} bytes, "
+                                             f"not {n}", source=url)
+                if got > end - start:
+                    raise CorruptRecordError(f"the object holds more than the {n} bytes its "
+                                             "commit says: replaced", source=url)
+                if expected is not None:
+                    crc = crc32(view[start:end], crc)
+        finally:
+            landed.close()
     if expected is not None:
         _check(url, Written(n, crc), expected)
+
+
+_CHUNK = 1 << 20
+"""The most bytes of a streamed range taken from the connection at once."""
+
+
+def _cat_ranges(fs: Any, path: str, view: memoryview, ranges: list[tuple[int, int]],
+                longer: bool) -> Generator[int, None, None]:
+    """Read each range with `cat_file` (`_AHEAD` in flight), copy it into `view` and yield
+    how many bytes it had (one more asked of the last when `longer` is to be caught)."""
+    n = len(view)
+
+    def fetch(start: int, end: int) -> bytes:
+        ask = end + 1 if end == n and longer else end
+        return bytes(fs.cat_file(path, start=start, end=ask)) if ask > start else b""
+
+    with ThreadPoolExecutor(_AHEAD) as ahead:
+        pending = [ahead.submit(fetch, *r) for r in ranges[:_AHEAD]]
+        try:
+            for i, (start, end) in enumerate(ranges):
+                data = pending.pop(0).result()
+                if i + _AHEAD < len(ranges):
+                    pending.append(ahead.submit(fetch, *ranges[i + _AHEAD]))
+                got = len(data)
+                view[start:start + min(got, end - start)] = memoryview(data)[:end - start]
+                del data
+                yield got
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+def _s3_ranges(fs: Any, path: str, view: memoryview, ranges: list[tuple[int, int]],
+               longer: bool) -> Generator[int, None, None]:
+    """Ranged GETs of s3fs on its event loop, `_AHEAD` in flight, each body streamed into
+    its slice of `view`; yields each range's byte count in order as it completes."""
+    import asyncio
+
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    n = len(view)
+    gate: list[asyncio.Semaphore] = []
+
+    async def one(start: int, end: int) -> int:
+        if not gate:
+            gate.append(asyncio.Semaphore(_AHEAD))
+        ask = end + 1 if end == n and longer else end
+        if ask <= start:
+            return 0
+        async with gate[0]:
+            pos, tries = start, 0
+            while True:
+                try:
+                    return await _stream_range(fs, bucket, key, extra, view, start, end, ask, pos)
+                except _PartialReadError as e:  # the connection broke: the rest of the range again
+                    pos, tries = e.pos, tries + 1
+                    if tries >= 3:
+                        raise OSError(f"reading bytes {start}-{ask - 1}: {e.__cause__}") from e
+
+    futures = [asyncio.run_coroutine_threadsafe(one(*r), fs.loop) for r in ranges]
+    try:
+        for f in futures:
+            yield f.result()
+    finally:
+        for f in futures:
+            f.cancel()
+        for f in futures:  # none may still write into `view` once this returns
+            with contextlib.suppress(BaseException):
+                f.result()
+
+
+class _PartialReadError(Exception):
+    """A ranged read broken off after `pos`."""
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(pos)
+        self.pos = pos
+
+
+async def _stream_range(fs: Any, bucket: str, key: str, extra: dict[str, str], view: memoryview,
+                        start: int, end: int, ask: int, pos: int) -> int:
+    """GET bytes `pos`..`ask - 1` into `view[pos:end]`; the range's byte count (more than
+    `end - start` when the object goes on past `end`, which is not copied)."""
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={pos}-{ask - 1}",
+                                 **extra)
+    except OSError as e:
+        if "InvalidRange" in f"{e} {e.__cause__!r}" or "416" in str(e):
+            return pos - start  # the object ends before `pos`
+        raise
+    body = resp["Body"]
+    try:
+        while True:
+            try:
+                chunk = await body.read(_CHUNK)
+            except Exception as e:
+                raise _PartialReadError(pos) from e
+            if not chunk:
+                return pos - start
+            take = min(len(chunk), end - pos) if pos < end else 0
+            if take:
+                view[pos:pos + take] = chunk[:take] if take < len(chunk) else chunk
+            if take < len(chunk):
+                return pos - start + len(chunk)  # past `end`: longer than it should be
+            pos += take
+    finally:
+        body.close()
 
 
 def read_bytes(url: str, max_bytes: int) -> bytes:

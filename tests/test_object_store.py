@@ -495,3 +495,51 @@ def test_sigkill_during_s3_saves_loses_no_committed_checkpoint(s3, capsys):
     finally:
         server.stdin.close()
         server.wait(30)
+
+
+def test_s3_loads_stream_ranges_into_place_and_refuse_damage(s3, monkeypatch):
+    """Ranged GETs streamed into the buffer (several ranges, several chunks each, in
+    flight at once) load a checkpoint equal; one replaced by another of its size, cut
+    short or gone on past its commit's size is refused."""
+    import trainrec.storage as storage
+
+    monkeypatch.setattr(storage, "READ_BYTES", 8 << 10)  # several ranges of several chunks
+    monkeypatch.setattr(storage, "_CHUNK", 3000)
+    streamed, stream = [], storage._stream_range
+
+    async def counted(*args):
+        streamed.append(args[5:7])
+        return await stream(*args)
+
+    monkeypatch.setattr(storage, "_stream_range", counted)
+    with CheckpointManager(s3) as mgr:
+        mgr.save(1, _record(1, size=96), block=True)
+        mgr.save(2, _record(2, size=96), block=True)
+        _check(mgr, 2)
+    assert len(streamed) > 4  # s3:// bodies streamed into place, range by range
+    fs = fsspec.filesystem("s3")
+    doc = json.loads(fs.cat_file(f"{s3}/step-00000002.commit"))
+    entry = next(o for o in doc["objects"] if o["role"] == "checkpoint")
+    assert entry["size"] > 4 * (8 << 10)
+    one, two = (f"{s3}/{_s3_object(s3, s)}" for s in (1, 2))
+    good = fs.cat_file(two)
+    reader = CheckpointManager(s3, read_only=True)
+    fs.pipe_file(two, fs.cat_file(one))  # a valid checkpoint of the same size, not step 2's
+    with pytest.raises(CorruptRecordError, match="CRC-32 is .* its commit says"):
+        reader.load(2)
+    fs.pipe_file(two, good[:-10])
+    with pytest.raises(CorruptRecordError, match="ended after"):
+        reader.load(2)
+    fs.pipe_file(two, good[: 8 << 10])  # ends before the later ranges start
+    with pytest.raises(CorruptRecordError, match="ended after"):
+        reader.load(2)
+    fs.pipe_file(two, good + b"\0")
+    with pytest.raises(CorruptRecordError, match="holds more than"):
+        reader.load(2)
+    fs.pipe_file(two, good)
+    _check(reader, 2)
+
+
+def _s3_object(url: str, step: int) -> str:
+    doc = json.loads(fsspec.filesystem("s3").cat_file(f"{url}/step-{step:08d}.commit"))
+    return next(o["name"] for o in doc["objects"] if o["role"] == "checkpoint")
