@@ -46,6 +46,9 @@ def main(mib: int = 512) -> None:
     try:
         import fsspec
 
+        # a loaded machine's moto takes over botocore's 60 s to complete a 512 MiB upload;
+        # a retry of CompleteMultipartUpload then fails in moto (500): wait, for both sides
+        fsspec.config.conf.setdefault("s3", {})["config_kwargs"] = {"read_timeout": 900}
         from trainrec import NamedMpkFileRecorder, NativePrecisionSettings, TensorData
 
         fs = fsspec.filesystem("s3")

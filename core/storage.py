@@ -20,7 +20,10 @@ refuse an object whose size or CRC is not the expected one (the commit protocol,
 `Store` is one folder of a store, with the small-object operations the commit protocol
 needs, conditional where the store has conditional writes (`conditional`): S3's
 `If-None-Match: *` and `If-Match: <etag>` on PUT and DELETE (AWS since 2024, and moto),
-and `memory://`'s (one process: a lock). Other stores have none verified here.
+and `memory://`'s (one process: a lock). Other stores have none verified here; gs:// is
+refused too: gcsfs (2026.8) has create-if-absent (`mode="create"`, `ifGenerationMatch=0`,
+experimental) but no overwrite or delete on a generation, which the lease's renewal and
+release need.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ until copied into place)."""
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _CONDITIONAL = {"s3", "s3a", "memory"}
+_GCS_WHY = ("; gcsfs creates an object only if absent (mode='create', ifGenerationMatch=0, "
+            "experimental in gcsfs and untested by its own suite) but has no overwrite or "
+            "delete conditional on an object's generation, which the writer's lease needs")
 
 
 def is_url(target: object) -> bool:
@@ -658,10 +664,12 @@ class Store:
 
     def _need_conditional(self, what: str) -> None:
         if not self.conditional:
+            why = _GCS_WHY if self.scheme in ("gs", "gcs") else ""
             raise RecorderError(
                 f"a {self.scheme}:// store has no conditional writes trainrec has verified "
-                f"(needed to {what}): writing checkpoints there could let two writers "
-                "interleave or replace a commit; supported: s3://, memory://", source=self.url)
+                f"(needed to {what}){why}: writing checkpoints there could let two writers "
+                "interleave or replace a commit; supported: s3://, memory://; "
+                "CheckpointManager(..., read_only=True) reads here", source=self.url)
 
     @staticmethod
     def _memory_put(fs: Any, path: str, data: Any, *, exclusive: bool) -> None:

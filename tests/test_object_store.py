@@ -225,12 +225,38 @@ def test_the_cli_inspects_and_verifies_a_url(mem, capsys):
     assert "CORRUPT" in capsys.readouterr().out
 
 
-def test_a_store_without_conditional_writes_refuses_writers():
+def test_a_store_without_conditional_writes_refuses_writers_and_serves_readers(mem):
+    """A scheme trainrec has verified no conditional writes on (gs:// is one: gcsfs can
+    create-if-absent but not replace or delete on a generation) gets no writing manager,
+    with the reason; a read-only one reads its steps. The store here is an fsspec
+    filesystem of its own scheme over memory://'s objects (no conditional writes known)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Plain(MemoryFileSystem):
+        protocol = ("trainrec-plain",)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return MemoryFileSystem._strip_protocol(path.replace("trainrec-plain://", "memory://", 1))
+
+    fsspec.register_implementation("trainrec-plain", Plain, clobber=True)
+    with CheckpointManager(mem) as mgr:
+        mgr.save(1, _record(1), block=True)
+    plain = "trainrec-plain://" + mem[len("memory://"):]
+    with pytest.raises(RecorderError, match="trainrec-plain:// store has no conditional writes.*read_only=True"):
+        CheckpointManager(plain)
+    assert ".trainrec-lock" not in _names(mem)  # nothing written
+    reader = CheckpointManager(plain, read_only=True)
+    assert reader.steps() == [1]
+    _check(reader, 1)
+
+
+def test_gs_writers_are_refused_with_gcsfs_reason():
     from trainrec.storage import Store
 
-    store = Store.__new__(Store)
+    store = Store.__new__(Store)  # no gcsfs here: the refusal needs no connection
     store.scheme, store.url, store.conditional = "gs", "gs://bucket/run", False
-    with pytest.raises(RecorderError, match="no conditional writes"):
+    with pytest.raises(RecorderError, match="no conditional writes.*ifGenerationMatch=0.*generation"):
         store.put_new(".trainrec-lock", b"{}")
 
 
