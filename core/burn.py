@@ -808,10 +808,10 @@ class BurnpackRecorder(RecorderBase):
         super().__init__(settings or NativePrecisionSettings())  # Burn's dtypes as they are
 
     def save_item(self, item: Item, args: Any, record_type: str = "Item", *,
-                  allow_lossy: bool = False) -> Path:
-        from .envelope import path_arg
+                  allow_lossy: bool = False) -> Path | str:
+        from .storage import location
 
-        path = path_arg(args)
+        path = location(args)  # a store URL too: uploaded as it is written
         if isinstance(item, list) and record_type == "TrainingRecord":
             from .burn_neutral import split_training_item
 
@@ -824,15 +824,26 @@ class BurnpackRecorder(RecorderBase):
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         from .envelope import path_arg
+        from .storage import is_url
 
+        if is_url(args):  # read from a private local copy (remote.read_staged)
+            from .remote import read_staged
+
+            return read_staged(args, lambda local: read_burnpack(local, False))
         return read_burnpack(path_arg(args), mmap)
 
 
-def optimizer_path(path: str | os.PathLike[str]) -> Path:
-    """Where `BurnpackRecorder` puts a TrainingRecord's optimizer: `x.bpk` -> `x.optim.bpk`."""
-    path = Path(path)
-    name = path.name[: -len(".bpk")] if path.name.lower().endswith(".bpk") else path.name
-    return path.with_name(f"{name}.optim.bpk")
+def optimizer_path(path: str | os.PathLike[str]) -> Path | str:
+    """Where `BurnpackRecorder` puts a TrainingRecord's optimizer: `x.bpk` -> `x.optim.bpk`
+    (a store URL's: the URL of that name beside it, a str)."""
+    from .storage import is_url
+
+    url = is_url(path)
+    folder, _, leaf = str(path).rpartition("/") if url else ("", "", Path(path).name)
+    name = leaf[: -len(".bpk")] if leaf.lower().endswith(".bpk") else leaf
+    if url:
+        return f"{folder}/{name}.optim.bpk"
+    return Path(path).with_name(f"{name}.optim.bpk")
 
 
 def _bin_header(n: int) -> bytes:
@@ -884,15 +895,15 @@ def burnpack_layout(item: Item, settings: Any = None, *, allow_lossy: bool = Fal
     return head + bytes(start - len(head)), placed, start + at
 
 
-def write_burnpack(path: Path, item: Item, settings: Any = None, *, allow_lossy: bool = False,
+def write_burnpack(path: Path | str, item: Item, settings: Any = None, *, allow_lossy: bool = False,
                    recorder: str = "BurnpackRecorder") -> None:
     """Write `item` as a Burnpack file at `path` (atomically: an existing file survives a
-    failed write)."""
-    from ._atomic import atomic_write
+    failed write), or upload it to the store URL `path` as it is written."""
+    from .storage import output
 
     head, placed, total = burnpack_layout(item, settings, allow_lossy=allow_lossy, recorder=recorder,
                                           source=str(path))
-    with atomic_write(path, size_hint=total) as f:
+    with output(path, size_hint=total) as f:
         f.write(head)
         at = 0
         for offset, t in placed:
@@ -916,11 +927,10 @@ class BurnNamedMpkRecorder(RecorderBase):
         self._compress = compress
 
     def save_item(self, item: Item, args: Any, record_type: str = "Item", *,
-                  allow_lossy: bool = False) -> Path:
-        from ._atomic import atomic_write
-        from .envelope import path_arg
+                  allow_lossy: bool = False) -> Path | str:
+        from .storage import location, output
 
-        path = path_arg(args)
+        path = location(args)  # a store URL too: uploaded as it is written
         if isinstance(item, list) and record_type == "TrainingRecord":
             from .burn_neutral import split_training_item
 
@@ -957,7 +967,7 @@ class BurnNamedMpkRecorder(RecorderBase):
             else:
                 f.write(packer.pack(node))
 
-        with atomic_write(path) as out:
+        with output(path) as out:
             f: Any = gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) if self._compress else out
             f.write(packer.pack_map_header(3) + packer.pack("metadata") + packer.pack(meta)
                     + packer.pack("item"))
@@ -969,7 +979,12 @@ class BurnNamedMpkRecorder(RecorderBase):
 
     def read(self, args: Any, *, mmap: bool = False) -> tuple[Header, Item]:
         from .envelope import path_arg
+        from .storage import is_url
 
+        if is_url(args):  # read from a private local copy (remote.read_staged)
+            from .remote import read_staged
+
+            return read_staged(args, lambda local: self.read(local))
         path = path_arg(args)
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"

@@ -170,8 +170,8 @@ def path_arg(args: Any) -> Path:
 
     if is_url(args):
         raise TypeError(f"this recorder takes a local path, not the URL {args!r} (the "
-                        "NamedMpk, gzip, .pt and flax file recorders and CheckpointManager "
-                        "take URLs)")
+                        "NamedMpk, gzip, .pt, flax and Burn file recorders and "
+                        "CheckpointManager take URLs)")
     return Path(args)
 
 

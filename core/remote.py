@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .commit import COMMIT_SUFFIX, checkpoint_url, expectations, read_commit
 from .errors import CorruptRecordError, FileMissingError, RecorderError, reading
@@ -20,7 +22,9 @@ from .items import Item
 from .sniff import HEAD_BYTES
 from .storage import Store, download, expecting, filesystem, object_size
 
-__all__ = ["read_url", "committed", "split_url"]
+__all__ = ["read_url", "read_staged", "committed", "split_url"]
+
+T = TypeVar("T")
 
 _STEP_COMMIT = re.compile(r"step-(\d{8,})" + re.escape(COMMIT_SUFFIX))
 
@@ -73,13 +77,20 @@ def _read_object(url: str, mmap: bool, only: str | None) -> tuple[Header, Item]:
         from .recorders import NamedMpkFileRecorder
 
         return NamedMpkFileRecorder(NativePrecisionSettings()).read(url, mmap=mmap)
+    return read_staged(url, lambda local: fmt.reader(local, False))
+
+
+def read_staged(url: str, read: Callable[[Path], T]) -> T:
+    """`read` of a private local copy of the object `url` (streamed into a temporary file
+    in chunks, checked against `expecting`, deleted after): for readers of local files.
+    An error naming the copy names `url` instead."""
     suffix = "".join(Path(split_url(url)[1]).suffixes)
     with tempfile.TemporaryDirectory(prefix="trainrec-") as tmp:
         local = Path(tmp) / f"object{suffix}"
         with open(local, "wb") as out:
             download(url, out)
         try:
-            return fmt.reader(local, False)
+            return read(local)
         except RecorderError as e:
             if e.source == str(local):
                 raise type(e)(_reason(e), source=url, key=e.key) from e

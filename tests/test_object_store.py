@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -86,12 +87,60 @@ def test_every_file_recorder_round_trips_a_url_dtype_kept(mem, recorder):
 
 
 def test_a_recorder_of_local_files_refuses_a_url_instead_of_writing_a_local_folder(tmp_path, monkeypatch):
-    from trainrec.burn import BurnpackRecorder
+    from trainrec.adapter_kit import path_arg
+
+    class LocalOnly(NamedMpkFileRecorder):  # an adapter's recorder of local files
+        def save_item(self, item, args, record_type="Item", *, allow_lossy=False):
+            return super().save_item(item, path_arg(args), record_type, allow_lossy=allow_lossy)
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TypeError, match="takes a local path, not the URL"):
-        BurnpackRecorder().save_item(_item(), "memory://bucket/x.bpk")
-    assert list(tmp_path.iterdir()) == []  # before: a folder "memory:" with bucket/x.bpk in it
+        LocalOnly(NATIVE).save_item(_item(), "memory://bucket/x.mpk")
+    assert list(tmp_path.iterdir()) == []  # Path() would have made a folder "memory:"
+
+
+def _burn_item() -> dict:
+    rng = np.random.default_rng(0)
+    return {"tensors": {"fc.weight": TensorData.from_array(rng.normal(size=(6, 4)).astype(np.float32)),
+                        "fc.bias": TensorData.from_array(np.arange(4, dtype=np.float32)),
+                        "norm.gamma": TensorData.from_array(np.ones(3, np.float16))},
+            "param_ids": {"fc.weight": 1, "fc.bias": 2, "norm.gamma": 2**64 - 1},
+            "metadata": {"producer": "test"}, "scalars": {"x": {"UInt": 3}}, "dtypes": {}}
+
+
+def _burn_recorders() -> list:
+    from trainrec.burn import BurnNamedMpkRecorder, BurnpackRecorder
+
+    return [BurnpackRecorder(), BurnNamedMpkRecorder(), BurnNamedMpkRecorder(compress=True)]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["bpk", "burn-mpk", "burn-mpk-gz"])
+def test_burn_recorders_save_to_and_read_from_a_url_dtypes_kept(mem, tmp_path, index):
+    """Burn's recorders upload as they write (the same bytes as a local file) and read an
+    object through a private local copy; a cut object is refused naming its URL."""
+    recorder = _burn_recorders()[index]
+    suffix = ".mpk.gz" if index == 2 else recorder.suffix
+    url, local = f"{mem}/m{suffix}", tmp_path / f"m{suffix}"
+    assert recorder.save_item(_burn_item(), url) == url
+    recorder.save_item(_burn_item(), local)
+    fs = fsspec.filesystem("memory")
+    assert fs.cat_file(url[9:]) == local.read_bytes()
+    for header, item in (recorder.read(url), read_file(url)):
+        assert same(item, recorder.read(local)[1]) and header.format == read_file(local)[0].format
+        assert item["param_ids"] == recorder.read(local)[1]["param_ids"]
+    tensors = dict(trainrec.items.iter_tensors(recorder.read(url)[1]))
+    assert sorted(t.dtype.value for t in tensors.values()) == ["f16", "f32", "f32"]
+    fs.pipe_file(url[9:], local.read_bytes()[:-7])
+    with pytest.raises(RecorderError, match=f"m{re.escape(suffix)}") as e:
+        recorder.read(url)
+    assert e.value.source == url
+
+
+def test_a_burnpack_training_record_puts_its_optimizer_beside_it_at_a_url(mem):
+    from trainrec.burn import optimizer_path
+
+    assert optimizer_path(f"{mem}/run/m.bpk") == f"{mem}/run/m.optim.bpk"
+    assert optimizer_path("m.bpk") == Path("m.optim.bpk")
 
 
 def test_a_missing_object_is_file_missing(mem):
@@ -569,3 +618,12 @@ def test_s3_loads_stream_ranges_into_place_and_refuse_damage(s3, monkeypatch):
 def _s3_object(url: str, step: int) -> str:
     doc = json.loads(fsspec.filesystem("s3").cat_file(f"{url}/step-{step:08d}.commit"))
     return next(o["name"] for o in doc["objects"] if o["role"] == "checkpoint")
+
+
+def test_a_burnpack_round_trips_on_s3(s3, tmp_path):
+    from trainrec.burn import BurnpackRecorder
+
+    BurnpackRecorder().save_item(_burn_item(), f"{s3}/m.bpk")
+    BurnpackRecorder().save_item(_burn_item(), tmp_path / "m.bpk")
+    assert fsspec.filesystem("s3").cat_file(f"{s3}/m.bpk") == (tmp_path / "m.bpk").read_bytes()
+    assert same(BurnpackRecorder().read(f"{s3}/m.bpk")[1], BurnpackRecorder().read(tmp_path / "m.bpk")[1])
