@@ -52,11 +52,14 @@ __all__ = ["is_url", "location", "Store", "upload", "read_into", "read_bytes", "
 PART_BYTES = 16 << 20
 """The size of one uploaded part: what a save to a URL holds in memory at most (beyond the
 state it serializes)."""
-READ_BYTES = 16 << 20
+READ_BYTES = 32 << 20
 """The size of one ranged read of a load from a URL."""
-_AHEAD = 3
-"""Ranged reads in flight at once (on s3:// each streamed into place, elsewhere each held
-until copied into place)."""
+_AHEAD = 8
+"""Ranged reads in flight at once on s3:// (each streamed into place: no memory held);
+elsewhere `_CAT_AHEAD`."""
+_CAT_AHEAD = 2
+"""Ranged reads in flight at once on a store other than s3:// (each held whole until
+copied into place: `_CAT_AHEAD * READ_BYTES` extra memory at most)."""
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
@@ -329,7 +332,7 @@ def read_into(url: str, buf: np.ndarray[Any, Any]) -> None:
 
     On s3:// each ranged GET's body streams straight into its slice of `buf` (chunks of at
     most `_CHUNK`: no range is ever held whole); on any other store each range is one
-    `cat_file` copied into place (`_AHEAD` ranges held at most)."""
+    `cat_file` copied into place (`_CAT_AHEAD` ranges held at most)."""
     fs, path = filesystem(url)
     view = buf.data.cast("B")
     n = len(view)
@@ -361,7 +364,7 @@ _CHUNK = 1 << 20
 
 def _cat_ranges(fs: Any, path: str, view: memoryview, ranges: list[tuple[int, int]],
                 longer: bool) -> Generator[int, None, None]:
-    """Read each range with `cat_file` (`_AHEAD` in flight), copy it into `view` and yield
+    """Read each range with `cat_file` (`_CAT_AHEAD` in flight), copy it into `view` and yield
     how many bytes it had (one more asked of the last when `longer` is to be caught)."""
     n = len(view)
 
@@ -369,13 +372,13 @@ def _cat_ranges(fs: Any, path: str, view: memoryview, ranges: list[tuple[int, in
         ask = end + 1 if end == n and longer else end
         return bytes(fs.cat_file(path, start=start, end=ask)) if ask > start else b""
 
-    with ThreadPoolExecutor(_AHEAD) as ahead:
-        pending = [ahead.submit(fetch, *r) for r in ranges[:_AHEAD]]
+    with ThreadPoolExecutor(_CAT_AHEAD) as ahead:
+        pending = [ahead.submit(fetch, *r) for r in ranges[:_CAT_AHEAD]]
         try:
             for i, (start, end) in enumerate(ranges):
                 data = pending.pop(0).result()
-                if i + _AHEAD < len(ranges):
-                    pending.append(ahead.submit(fetch, *ranges[i + _AHEAD]))
+                if i + _CAT_AHEAD < len(ranges):
+                    pending.append(ahead.submit(fetch, *ranges[i + _CAT_AHEAD]))
                 got = len(data)
                 view[start:start + min(got, end - start)] = memoryview(data)[:end - start]
                 del data
