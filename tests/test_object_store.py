@@ -512,6 +512,7 @@ def test_sigkill_during_s3_saves_loses_no_committed_checkpoint(s3, capsys):
         server.stdin.write("go\n")
         server.stdin.flush()
         pid = int(expect("pid")[1])
+        started = time.monotonic()
         if delay is not None:
             time.sleep(delay)
             os.kill(pid, signal.SIGKILL)
@@ -521,6 +522,7 @@ def test_sigkill_during_s3_saves_loses_no_committed_checkpoint(s3, capsys):
             out.append(int(got[1]))
             if delay is None:
                 os.kill(pid, signal.SIGKILL)
+                first_save.append(time.monotonic() - started)
         assert got is not None and int(got[1]) == pid and got[2] == str(signal.SIGKILL), got
         return out
 
@@ -536,16 +538,18 @@ def test_sigkill_during_s3_saves_loses_no_committed_checkpoint(s3, capsys):
             assert t.array.dtype == np.float32 and t.array.tobytes() == v.tobytes(), (step, k)
 
     rng = random.Random(28)
-    saved: list[int] = []
+    first_save: list[float] = []
     lives_with_saves = 0
     try:
         expect("ready", timeout=120)
-        deadline = time.monotonic() + 300  # about 130 s alone on two loaded cores
+        deadline = time.monotonic() + 300  # about 110 s alone on two loaded cores
+        saved = run(None)  # how long a writer takes to open its manager and save once
+        # (1.4-2.5 s on two loaded cores, each next save 0.8 s): kills land anywhere in a
+        # writer's opening and its first saves, however loaded the machine is
+        span = 2.0 * first_save[0]
         for _ in range(50):
             assert time.monotonic() < deadline, f"{len(saved)} saves, too slow"
-            # a writer opens its manager and saves its first step in about 1.4 s, each
-            # next in 0.8 s (on two loaded cores): kills land anywhere in the first saves
-            got = run(rng.uniform(0.0, 3.5))
+            got = run(rng.uniform(0.0, span))
             saved += got
             lives_with_saves += bool(got)
             reader = CheckpointManager(s3, read_only=True)
@@ -556,7 +560,7 @@ def test_sigkill_during_s3_saves_loses_no_committed_checkpoint(s3, capsys):
                 assert {s for s in saved if s >= steps[0]} <= set(steps), (saved, steps)
                 assert len(steps) >= min(3, len(saved))
                 check(reader, steps[-1])
-        assert lives_with_saves >= 10 and len(saved) >= 20
+        assert lives_with_saves >= 8 and len(saved) >= 12  # the kills did land among saves (16, 25 seen)
         reader = CheckpointManager(s3, read_only=True)
         for s in reader.steps():
             check(reader, s)
