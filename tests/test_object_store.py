@@ -314,8 +314,8 @@ def test_gs_writers_are_refused_with_gcsfs_reason():
 
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
-    """moto's S3 server in a process of its own (a thread of this one would share its
-    sockets with the writers the kill test forks) on a free loopback port."""
+    """moto's S3 server in a process of its own (not a thread of this one: its work would
+    take this process's GIL) on a free loopback port, its request log in a file."""
     pytest.importorskip("s3fs", reason="the [s3] extra is not installed")
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
         pytest.skip("moto[server] is not installed: pip install 'trainrec[test]'")
