@@ -16,8 +16,9 @@ MODE:
   resumes are compared with this run), and write the final capture to OUT/final-RANK.mpk;
   then save it as OUT/ckpt/step-STEPS, during which rank 1 kills itself (SIGKILL) half-way
   through writing its part; rank 0 writes the error it got to OUT/kill-error.txt and exits.
-- `resume:S`: restore OUT/ckpt/step-S into fresh objects, train to STEPS, write
-  OUT/resumed-S-RANK.mpk.
+- `resume:S[,S...]`: restore OUT/ckpt/step-S into fresh objects, train to STEPS, write
+  OUT/resumed-S-RANK.mpk; each S in turn, each into objects built anew (the process never
+  trained but from a restore: one process start-up for every resume).
 - `load-damaged`: load OUT/damaged (rank 1's part truncated) and write what each rank
   got to OUT/load-damaged-RANK.txt.
 - `timeout`: `DistributedRecorder(timeout=2)` on a new group per case, into OUT/timeout:
@@ -128,7 +129,9 @@ def main() -> None:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
-    run(mode, rank, world, out)
+    kind, _, steps = mode.partition(":")
+    for one in ([f"resume:{s}" for s in steps.split(",")] if kind == "resume" else [mode]):
+        run(one, rank, world, out)
     finish()
 
 

@@ -7,7 +7,9 @@ trainrec's `ExactResume` (bitwise equal: final parameters and every loss) and wi
 also resumed after micro-step 5 (epoch 0) on into epoch 1, with and without the loader's
 `generator=`, and with Accelerate's seedable sampler, each against the same resume with
 ExactResume's dataloader realignment switched off (it differs). The runs are in
-tests/_tool_runs.py; each job list runs in one bounded subprocess.
+tests/_tool_runs.py: per tool, the uninterrupted run and the saves run one after another in
+one bounded subprocess, the resumes in one more (fresh: it never trained), made once for all
+of pytest-xdist's workers (`_shared_runs.once`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _shared_runs import once
 
 torch = pytest.importorskip("torch")
 
@@ -49,10 +52,17 @@ def _results(*started: tuple[subprocess.Popen[str], Path]) -> list[list[dict[str
 
 def _run_tool(tool: str, tmp: Path, resumes: list[list[str]], saves: list[str], *,
               check_first: bool = True) -> Any:
+    """The uninterrupted run and the saves in one process, then every resume in one fresh
+    process (that never trained: each resume builds its objects anew); the resumes' results
+    grouped as `resumes` lists their jobs."""
     (first,) = _results(_start(tool, tmp / "first.pt", f"full:exact:{tmp / 'none'}", *saves))
     for r in first if check_first else ():
         assert "error" not in r, r["error"]
-    later = _results(*(_start(tool, tmp / f"resume{i}.pt", *jobs) for i, jobs in enumerate(resumes)))
+    (resumed,) = _results(_start(tool, tmp / "resumes.pt", *(job for jobs in resumes for job in jobs)))
+    assert len(resumed) == sum(map(len, resumes))
+    later, it = [], iter(resumed)
+    for jobs in resumes:
+        later.append([next(it) for _ in jobs])
     return first, later
 
 
@@ -77,32 +87,39 @@ ACCEL_SETUPS = {"generator": ("exact", EARLY), "no generator": ("exact+nogen", E
 def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("accelerate", reason="the extra trainrec[accelerate] is not installed")
     pytest.importorskip("torchdata", reason="torchdata is not installed (trainrec[accelerate])")
-    tmp = tmp_path_factory.mktemp("accelerate")
-    ck = {name: tmp / name.replace(" ", "_") for name in ACCEL_SETUPS}
-    saves = [f"save:exact:{tmp / 'exact'}:{SAVE_AT}", f"save:plain:{tmp / 'plain'}:{SAVE_AT}"]
-    for name, (kind, at) in ACCEL_SETUPS.items():
-        saves += [f"full:{kind}:{tmp / 'none'}", f"save:{kind}:{ck[name]}:{at}"]
-    saves.append(f"full:exact+plainloader:{tmp / 'none'}")  # refused
-    return _run_tool("accelerate", tmp,
-                     [[f"resume:exact:{tmp / 'exact'}"]
-                      + [f"resume:{kind}:{ck[name]}" for name, (kind, _) in ACCEL_SETUPS.items()],
-                      [f"resume:plain:{tmp / 'plain'}"]
-                      + [f"resume:{kind}+unfixed:{ck[name]}" for name, (kind, _) in ACCEL_SETUPS.items()]],
-                     saves, check_first=False)
+
+    def run(tmp: Path) -> Any:
+        ck = {name: tmp / name.replace(" ", "_") for name in ACCEL_SETUPS}
+        saves = [f"save:exact:{tmp / 'exact'}:{SAVE_AT}", f"save:plain:{tmp / 'plain'}:{SAVE_AT}"]
+        for name, (kind, at) in ACCEL_SETUPS.items():
+            saves += [f"full:{kind}:{tmp / 'none'}", f"save:{kind}:{ck[name]}:{at}"]
+        saves.append(f"full:exact+plainloader:{tmp / 'none'}")  # refused
+        return _run_tool("accelerate", tmp,
+                         [[f"resume:exact:{tmp / 'exact'}"]
+                          + [f"resume:{kind}:{ck[name]}" for name, (kind, _) in ACCEL_SETUPS.items()],
+                          [f"resume:plain:{tmp / 'plain'}"]
+                          + [f"resume:{kind}+unfixed:{ck[name]}"
+                             for name, (kind, _) in ACCEL_SETUPS.items()]],
+                         saves, check_first=False)
+
+    return once(tmp_path_factory, "accelerate-runs", run)
 
 
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     pytest.importorskip("lightning", reason="the extra trainrec[lightning] is not installed")
     pytest.importorskip("torchdata", reason="torchdata is not installed (trainrec[lightning])")
-    tmp = tmp_path_factory.mktemp("lightning")
-    ck = {k: tmp / f"{k}.ckpt" for k in ("exact", "plain", "replay")}
-    early = tmp / "early.ckpt"
-    return _run_tool("lightning", tmp,
-                     [[f"resume:exact:{ck['exact']}", f"resume:plain:{ck['plain']}",
-                       f"resume:exact:{early}"],
-                      [f"resume:replay:{ck['replay']}", f"resume:replay_allowed:{ck['replay']}"]],
-                     [f"save:{k}:{ck[k]}:{SAVE_AT}" for k in ck] + [f"save:exact:{early}:5"])
+
+    def run(tmp: Path) -> Any:
+        ck = {k: tmp / f"{k}.ckpt" for k in ("exact", "plain", "replay")}
+        early = tmp / "early.ckpt"
+        return _run_tool("lightning", tmp,
+                         [[f"resume:exact:{ck['exact']}", f"resume:plain:{ck['plain']}",
+                           f"resume:exact:{early}"],
+                          [f"resume:replay:{ck['replay']}", f"resume:replay_allowed:{ck['replay']}"]],
+                         [f"save:{k}:{ck[k]}:{SAVE_AT}" for k in ck] + [f"save:exact:{early}:5"])
+
+    return once(tmp_path_factory, "lightning-runs", run)
 
 
 def test_accelerate_save_state_mid_window_resumes_bitwise_with_exact_resume(accelerate_runs):

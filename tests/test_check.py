@@ -10,6 +10,8 @@ alone (`after_restore`) is compared with the uninterrupted run of the correct lo
 the CLI run of the README loop leaves in its `--workdir` (`reference=`: the same bits,
 run once); the checks of a framework run two at a time in one module-scoped fixture; and
 the exit codes other than 0 and 1 are checked in this process (`trainrec.cli.main`).
+Under pytest-xdist each fixture's runs are made once for all workers (`_shared_runs.once`),
+and the JAX processes share a persistent compilation cache (`_shared_runs.jax_cache_env`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _shared_runs import jax_cache_env, once
 
 import trainrec
 from trainrec.check import WorkloadError, check_resume, default_ats
@@ -78,44 +81,57 @@ def readme_cli(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Com
     """`trainrec check` on the README loop with the default `at`s, `--json` and (with
     matplotlib) `--plot`; its workdir holds the uninterrupted run the resume-only bugs reuse."""
     pytest.importorskip("torch")
-    tmp = tmp_path_factory.mktemp("readme-check")
-    cmd = [sys.executable, "-m", "trainrec", "check", "check_loops:README_LOOP", "--json",
-           "--workdir", str(tmp / "work")]
-    if _has("matplotlib"):
-        cmd += ["--plot", str(tmp / "check.png")]
-    return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600), tmp
+
+    def run(tmp: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+        cmd = [sys.executable, "-m", "trainrec", "check", "check_loops:README_LOOP", "--json",
+               "--workdir", str(tmp / "work")]
+        if _has("matplotlib"):
+            cmd += ["--plot", str(tmp / "check.png")]
+        return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=600), tmp
+
+    return once(tmp_path_factory, "check-readme-cli", run)
 
 
 @pytest.fixture(scope="module")
-def torch_reports(readme_cli: Any) -> dict[str, object]:
+def torch_reports(readme_cli: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     done, tmp = readme_cli
     assert done.returncode == 0, done.stdout + done.stderr
-    return _in_pairs({name: _check(f"check_loops:{name}", at=[AT], steps=STEPS,
-                                   reference=tmp / "work" if name in RESUME_ONLY else None)
-                      for name in TORCH_BUGS})
+    return once(tmp_path_factory, "check-torch-bugs", lambda _: _in_pairs({
+        name: _check(f"check_loops:{name}", at=[AT], steps=STEPS,
+                     reference=tmp / "work" if name in RESUME_ONLY else None)
+        for name in TORCH_BUGS}))
 
 
 @pytest.fixture(scope="module")
 def jax_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     for module in ("jax", "flax", "optax"):
         pytest.importorskip(module)
-    work = tmp_path_factory.mktemp("jax-check")
-    first = _in_pairs({"README_JAX_LOOP": _check("check_jax_loops:README_JAX_LOOP", at=[AT],
-                                                 steps=STEPS, workdir=work),
-                       "DropoutKeyOutside": _check("check_jax_loops:DropoutKeyOutside", at=[AT],
-                                                   steps=STEPS)})
-    reused = _check("check_jax_loops:JaxRngNotApplied", at=[AT], steps=STEPS, reference=work)
-    return {**first, **_in_pairs({"JaxRngNotApplied": reused})}
+
+    def run(work: Path) -> dict[str, object]:
+        with pytest.MonkeyPatch.context() as mp:  # the check's processes inherit it
+            for name, value in jax_cache_env(tmp_path_factory).items():
+                mp.setenv(name, value)
+            first = _in_pairs({
+                "README_JAX_LOOP": _check("check_jax_loops:README_JAX_LOOP", at=[AT],
+                                          steps=STEPS, workdir=work),
+                "DropoutKeyOutside": _check("check_jax_loops:DropoutKeyOutside", at=[AT],
+                                            steps=STEPS)})
+            reused = _check("check_jax_loops:JaxRngNotApplied", at=[AT], steps=STEPS,
+                            reference=work)
+            return {**first, **_in_pairs({"JaxRngNotApplied": reused})}
+
+    return once(tmp_path_factory, "check-jax", run)
 
 
 @pytest.fixture(scope="module")
-def lightning_reports() -> dict[str, object]:
+def lightning_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     for module in ("torch", "lightning", "torchdata"):
         pytest.importorskip(module)
     # resumed after micro-step 6 (2 of 4 pending) and compared up to 10: across the end of
     # the epoch of 8 batches, where the next shuffle needs the loader's generator
-    return _in_pairs({name: _check(f"check_tool_loops:{name}", at=[AT], steps=10)
-                      for name in ("LightningLoop", "LightningAlone")})
+    return once(tmp_path_factory, "check-lightning", lambda _: _in_pairs({
+        name: _check(f"check_tool_loops:{name}", at=[AT], steps=10)
+        for name in ("LightningLoop", "LightningAlone")}))
 
 
 def _assert_named(report: object, offset: int, component: str, words: list[str]) -> None:

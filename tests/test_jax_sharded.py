@@ -5,7 +5,8 @@ in a fresh process continues bitwise on the same mesh.
 
 The pytest process has imported jax with one CPU device, so every check runs in a
 subprocess (`tests/jax_sharded_run.py`) with `XLA_FLAGS=--xla_force_host_platform_device_count=8`,
-each bounded by a timeout.
+each bounded by a timeout. The subprocesses share the session's persistent JAX compilation
+cache, and each module fixture runs once for all of pytest-xdist's workers (`_shared_runs`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _shared_runs import jax_cache_env, once
 
 pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -27,19 +29,27 @@ SCRIPT = str(Path(__file__).with_name("jax_sharded_run.py"))
 TIMEOUT = 120  # seconds per subprocess; each takes a few
 
 
-def _run(*args: Any) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return jax_cache_env(tmp_path_factory)
+
+
+def _run(cache: dict[str, str], *args: Any) -> None:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               **cache)
     res = subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True,
                          timeout=TIMEOUT, env=env)
     assert res.returncode == 0, f"{args[0]} failed:\n{res.stdout}\n{res.stderr}"
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    out = tmp_path_factory.mktemp("sharded") / "checks.json"
-    _run("checks", out)
-    results: dict[str, str] = json.loads(out.read_text())
-    return results
+def checks(tmp_path_factory: pytest.TempPathFactory, cache: dict[str, str]) -> dict[str, str]:
+    def run(d: Path) -> dict[str, str]:
+        _run(cache, "checks", d / "checks.json")
+        results: dict[str, str] = json.loads((d / "checks.json").read_text())
+        return results
+
+    return once(tmp_path_factory, "jax-sharded-checks", run)
 
 
 CHECKS = [
@@ -80,10 +90,12 @@ def test_sharded_arrays(checks: dict[str, str], name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("sharded_runs")
-    _run("reference", d / "ckpt.mpk", 6, d / "reference.npz")  # micro-step 6 of 16, windows of 4
-    return d
+def runs(tmp_path_factory: pytest.TempPathFactory, cache: dict[str, str]) -> Path:
+    def run(d: Path) -> Path:
+        _run(cache, "reference", d / "ckpt.mpk", 6, d / "reference.npz")  # micro-step 6 of 16, windows of 4
+        return d
+
+    return once(tmp_path_factory, "jax-sharded-runs", run)
 
 
 def _load(path: Path) -> dict[str, np.ndarray[Any, Any]]:
@@ -97,20 +109,22 @@ def _equal(a: dict[str, np.ndarray[Any, Any]], b: dict[str, np.ndarray[Any, Any]
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
 
 
-def test_fresh_process_resume_on_the_same_mesh_is_bitwise(runs: Path) -> None:
-    _run("resume", runs / "ckpt.mpk", "same", runs / "same.npz")
+def test_fresh_process_resume_on_the_same_mesh_is_bitwise(runs: Path, cache: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    _run(cache, "resume", runs / "ckpt.mpk", "same", tmp_path / "same.npz")
     # restored values (params and pending gradients, on live arrays of another seed) are the checkpoint's
-    _equal(_load(runs / "reference.npz.at.npz"), _load(runs / "same.npz.at.npz"))
-    _equal(_load(runs / "reference.npz"), _load(runs / "same.npz"))
+    _equal(_load(runs / "reference.npz.at.npz"), _load(tmp_path / "same.npz.at.npz"))
+    _equal(_load(runs / "reference.npz"), _load(tmp_path / "same.npz"))
 
 
-def test_fresh_process_resume_on_another_mesh_restores_exactly_and_continues_closely(runs: Path) -> None:
-    _run("resume", runs / "ckpt.mpk", "other", runs / "other.npz")
+def test_fresh_process_resume_on_another_mesh_restores_exactly_and_continues_closely(
+        runs: Path, cache: dict[str, str], tmp_path: Path) -> None:
+    _run(cache, "resume", runs / "ckpt.mpk", "other", tmp_path / "other.npz")
     # restored exactly, onto abstract targets sharded on 4 other devices with another layout
-    _equal(_load(runs / "reference.npz.at.npz"), _load(runs / "other.npz.at.npz"))
+    _equal(_load(runs / "reference.npz.at.npz"), _load(tmp_path / "other.npz.at.npz"))
     # the continuation is compared at a tolerance: another mesh splits the matmuls' and the
     # mean's reductions differently, so the summation order, and the last bits, can change
-    ref, other = _load(runs / "reference.npz"), _load(runs / "other.npz")
+    ref, other = _load(runs / "reference.npz"), _load(tmp_path / "other.npz")
     assert sorted(ref) == sorted(other)
     for k in ref:
         np.testing.assert_allclose(other[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -4,6 +4,7 @@ file, atomic restore under failure. See spec/SECURITY.md."""
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import pickle
 import random
@@ -45,25 +46,43 @@ class Gen:
 
 SAVER = textwrap.dedent(
     """
-    import sys, numpy as np, trainrec
+    import json, os, sys, numpy as np, trainrec
     from trainrec.adapters.numpy import MLP, AdamW, StepLr
 
     @trainrec.record
     class Gen:
         generation: int
 
-    path, start = sys.argv[1], int(sys.argv[2])
-    model, opt, sched = MLP([512, 1024, 512], seed=0), AdamW(), StepLr(0.1, 2)
-    acc = trainrec.GradientsAccumulator()
-    print("ready", flush=True)
-    for g in range(start, start + 10_000):
-        for v in model.params.values():
-            v[...] = g
-        trainrec.TrainingRecord.capture(model, opt, sched, acc, Gen(g)).save(
-            trainrec.DefaultRecorder(), path)
-        print(g, flush=True)
+    def save_forever(path, start, log):
+        model, opt, sched = MLP([512, 1024, 512], seed=0), AdamW(), StepLr(0.1, 2)
+        acc = trainrec.GradientsAccumulator()
+        with open(log, "w") as out:
+            print("ready", os.getpid(), flush=True)
+            for g in range(start, start + 10_000):
+                for v in model.params.values():
+                    v[...] = g
+                trainrec.TrainingRecord.capture(model, opt, sched, acc, Gen(g)).save(
+                    trainrec.DefaultRecorder(), path)
+                print(g, file=out, flush=True)
+
+    # the zygote: imported once, it saves nothing itself; each line asks for one writer
+    print("zygote", flush=True)
+    for line in iter(sys.stdin.readline, ""):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                save_forever(*json.loads(line))
+            finally:
+                os._exit(1)
+        os.waitpid(pid, 0)  # killed by the test
+        print("reaped", flush=True)
     """
 )
+"""Each writer is a child forked from a zygote process that imported numpy and trainrec once
+(and never saved): a process of its own that builds its objects and saves generation after
+generation into one checkpoint until the test SIGKILLs it, without an interpreter start-up
+per kill. It reports its pid once it is about to save, then each generation it completed
+(into its own log: the zygote's stdout is the test's)."""
 
 
 def _check_complete(path: Path, at_least: int) -> int:
@@ -87,20 +106,31 @@ def test_sigkill_during_saves_never_leaves_a_broken_checkpoint(tmp_path):
         DefaultRecorder(), path)
     rng = random.Random(1234)
     seen, landed = 0, 0
-    deadline = time.monotonic() + 400  # 50 kills: a loaded machine (the suite on every core) starts writers slower
+    deadline = time.monotonic() + 400  # 50 kills: a loaded machine (the suite on every core) is slower
     trials = 0
-    while trials < 50 and time.monotonic() < deadline:
-        proc = subprocess.Popen([sys.executable, str(script), str(path), str(seen + 1)],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        # wait out interpreter start-up (slow on a loaded machine), then kill inside the save loop
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.4))
-        os.kill(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        landed += len(out.split())
-        seen = _check_complete(path, seen)
-        trials += 1
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    zygote = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert zygote.stdin is not None and zygote.stdout is not None
+    try:
+        assert zygote.stdout.readline().strip() == "zygote"  # the imports are done
+        while trials < 50 and time.monotonic() < deadline:
+            log = logs / f"writer-{trials}.txt"
+            zygote.stdin.write(json.dumps([str(path), seen + 1, str(log)]) + "\n")
+            zygote.stdin.flush()
+            # wait until the writer built its objects, then kill it inside the save loop
+            got = zygote.stdout.readline().split()
+            assert got[:1] == ["ready"], got
+            time.sleep(rng.uniform(0.0, 0.4))
+            os.kill(int(got[1]), signal.SIGKILL)
+            assert zygote.stdout.readline().strip() == "reaped"
+            landed += len(log.read_text().split())
+            seen = _check_complete(path, seen)
+            trials += 1
+    finally:
+        zygote.kill()
+        zygote.communicate()
     assert trials >= 50
     assert landed > 0  # the kills did land among real saves
     leftovers = [p for p in tmp_path.iterdir() if p.name.endswith(".trainrec-tmp")]

@@ -5,8 +5,9 @@ previous checkpoint loadable and the partial one invisible).
 
 The 2-rank runs (tests/ddp_run.py: gloo on CPU, spawned processes) go in two phases: the
 uninterrupted run, which checkpoints twice on the way and ends with the killed save, then
-the two resumes side by side (four processes). Each phase is bounded in time. Everything else runs in
-this process as a world of one rank."""
+the two resumes one after the other in one fresh process per rank (each into objects built
+anew). Each phase is bounded in time; each fixture's phases run once for all of pytest-xdist's
+workers (`_shared_runs.once`). Everything else runs in this process as a world of one rank."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+from _shared_runs import once  # noqa: E402
 from same_items import same  # noqa: E402
 from timeout_outcomes import assert_timed_out, outcome  # noqa: E402 - next to this file
 from torch import nn  # noqa: E402
@@ -69,11 +71,14 @@ def _phase(out: Path, modes: list[str], world: int = 2, device: str = "cpu") -> 
 def runs(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("ddp")
-    (out / "ckpt").mkdir()
-    _phase(out, ["checkpoint"])
-    _phase(out, [f"resume:{A}", f"resume:{B}"])
-    return out
+
+    def run(out: Path) -> Path:
+        (out / "ckpt").mkdir()
+        _phase(out, ["checkpoint"])
+        _phase(out, [f"resume:{A},{B}"])
+        return out
+
+    return once(tmp_path_factory, "ddp-runs", run)
 
 
 def _item(path: Path):
@@ -154,10 +159,13 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(run
 def timeout_runs(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("ddp-timeout")
-    (out / "timeout").mkdir()
-    _phase(out, ["timeout"])
-    return out
+
+    def run(out: Path) -> Path:
+        (out / "timeout").mkdir()
+        _phase(out, ["timeout"])
+        return out
+
+    return once(tmp_path_factory, "ddp-timeout-runs", run)
 
 
 def test_with_a_timeout_every_rank_saves_and_loads_back_as_before(timeout_runs):
@@ -309,7 +317,7 @@ def test_nccl_ranks_on_gpus_resume_bitwise_from_mid_window(tmp_path):
     world = min(2, torch.cuda.device_count())
     (tmp_path / "ckpt").mkdir()
     _phase(tmp_path, ["checkpoint"], world, "cuda")
-    _phase(tmp_path, [f"resume:{A}", f"resume:{B}"], world, "cuda")
+    _phase(tmp_path, [f"resume:{A},{B}"], world, "cuda")
     for step in (A, B):
         for rank in range(world):
             assert same(_item(tmp_path / f"final-{rank}.mpk"),

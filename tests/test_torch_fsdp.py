@@ -9,7 +9,8 @@ The runs (tests/fsdp_run.py: gloo on CPU, spawned processes, a tiny model) go in
 bounded phases: the uninterrupted 2-rank run (checkpoints at micro-steps 4 and 8, the
 second asynchronous, then the killed save); then the 2-rank resumes beside the 4-rank
 processes, which first load the 2-rank checkpoint, resharded, then save their own at
-micro-step 4, which the 2 ranks load last. Dumps hold full (gathered) tensors, compared bitwise on this machine."""
+micro-step 4, which the 2 ranks load last. Dumps hold full (gathered) tensors, compared bitwise on this machine.
+Each fixture's phases run once for all of pytest-xdist's workers (`_shared_runs.once`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+from _shared_runs import once  # noqa: E402
 from timeout_outcomes import assert_timed_out, outcome  # noqa: E402 - next to this file
 
 import trainrec  # noqa: E402
@@ -63,13 +65,16 @@ def _phase(out: Path, runs: list[tuple[str, int]], device: str = "cpu") -> None:
 def runs(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("fsdp")
-    (out / "ckpt2").mkdir()
-    (out / "ckpt4").mkdir()
-    _phase(out, [("checkpoint", 2)])
-    # the 2 ranks load the 4 ranks' step-A once they committed it
-    _phase(out, [(f"resume+damaged+reshard:4:{A}", 2), (f"reshard:2:{B}+checkpoint", 4)])
-    return out
+
+    def run(out: Path) -> Path:
+        (out / "ckpt2").mkdir()
+        (out / "ckpt4").mkdir()
+        _phase(out, [("checkpoint", 2)])
+        # the 2 ranks load the 4 ranks' step-A once they committed it
+        _phase(out, [(f"resume+damaged+reshard:4:{A}", 2), (f"reshard:2:{B}+checkpoint", 4)])
+        return out
+
+    return once(tmp_path_factory, "fsdp-runs", run)
 
 
 def _load(path: Path):
@@ -168,10 +173,13 @@ def test_a_rank_killed_during_dcp_s_write_leaves_the_previous_checkpoint_loadabl
 def timeout_runs(tmp_path_factory):
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("fsdp-timeout")
-    (out / "timeout").mkdir()
-    _phase(out, [("timeout", 2)])
-    return out
+
+    def run(out: Path) -> Path:
+        (out / "timeout").mkdir()
+        _phase(out, [("timeout", 2)])
+        return out
+
+    return once(tmp_path_factory, "fsdp-timeout-runs", run)
 
 
 def test_with_a_timeout_every_rank_saves_and_loads_back_as_before(timeout_runs):

@@ -11,7 +11,8 @@ final RNG states and logged losses bitwise, and the micro-steps the resume compu
 digests of their input_ids) exactly the uninterrupted run's remaining ones. The same run
 without the callback is measured in the same test (Trainer alone: a SIGTERM kills it,
 nothing saved since the last step checkpoint; Trainer's enable_jit_checkpoint: train()
-returns after overwriting that step checkpoint, whose resume is off).
+returns after overwriting that step checkpoint, whose resume is off). The two phases run
+once for all of pytest-xdist's workers (`_shared_runs.once`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _shared_runs import once
 
 torch = pytest.importorskip("torch")
 
@@ -95,63 +97,66 @@ def _load(out: Path) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("transformers", reason="the extra trainrec[transformers] is not installed")
-    tmp = tmp_path_factory.mktemp("trainer")
-    stops = {name: f"stop{i}" for i, name in enumerate(STOPS)}
-    first = [
-        _job("full", tmp, exact=True), _job("full_plain", tmp), _job("full_bf16", tmp, exact=True, bf16=True),
-        *(_job(stops[n], tmp, exact=True, stop_at=at) for n, (at, _) in STOPS.items()),
-        _job("stop_bf16", tmp, exact=True, bf16=True, stop_at=BF16_AT),
-        _job("jit", tmp, jit=True, stop_at=KILL_AT),
-        _job("killed_plain", tmp, stop_at=KILL_AT, killed=True),
-        # last: its SystemExit ends the process, whose exit status the test checks
-        _job("killed_exact", tmp, exact=True, stop_at=KILL_AT, uncaught=True),
-    ]
-    two = [_job("ddp_full", tmp, exact=True, args=TWO_RANKS),
-           _job("ddp_stop", tmp, exact=True, stop_at=6, stop_rank=1, args=TWO_RANKS, uncaught=True)]
-    deadline = time.monotonic() + TIMEOUT_S
-    p1 = _start(first, tmp / "first.pt")
-    p2 = _start(two, tmp / "two.pt", world=2)
-    _wait(p1 + p2, deadline, status=143)  # each ended by its last job's SystemExit(143)
-    one_results = _load(tmp / "first.pt")
-    ranks = [_load(Path(f"{tmp / 'two.pt'}.{r}")) for r in range(2)]
 
-    stop6 = tmp / stops[next(iter(STOPS))] / STOPS[next(iter(STOPS))][1]
-    damaged = tmp / "damaged" / stop6.name
-    shutil.copytree(stop6, damaged)
-    part = damaged / "rank-00000-of-00001.mpk"
-    part.write_bytes(part.read_bytes()[:-40])
-    two_ck = tmp / "ddp_stop" / "exact-checkpoint-1-2"
-    refusals = {
-        "gradient_accumulation_steps": {"gradient_accumulation_steps": 2},
-        "per_device_train_batch_size": {"per_device_train_batch_size": 1},
-        "seed": {"seed": 1},
-        "data_seed": {"data_seed": 3},
-    }
-    second = [
-        *(_job("r_" + stops[n], tmp, dir=stops[n], exact=True, resume=True) for n in STOPS),
-        _job("r_bf16", tmp, dir="stop_bf16", exact=True, bf16=True, resume=True),
-        _job("r_killed_exact", tmp, dir="killed_exact", exact=True, resume=True),
-        _job("r_step", tmp, dir="resume_step", exact=True, resume=str(tmp / "full" / "checkpoint-4")),
-        _job("r_killed_plain", tmp, dir="killed_plain", resume=True),
-        _job("r_jit", tmp, dir="jit", resume=True),
-        # stopped again inside the window it resumed in, then resumed from that
-        _job("chain", tmp, exact=True, resume=str(stop6), stop_at=1),
-        _job("r_chain", tmp, dir="chain", exact=True, resume=True),
-        *(_job("refuse_" + k, tmp, exact=True, resume=str(stop6), args=a) for k, a in refusals.items()),
-        _job("refuse_length", tmp, exact=True, resume=str(stop6), samples=19),
-        _job("refuse_world_size", tmp, exact=True, resume=str(two_ck)),
-        _job("refuse_damaged", tmp, exact=True, resume=str(damaged)),
-        _job("refuse_without_callback", tmp, resume=str(stop6)),
-        _job("r_no_pending", tmp, dir="no_pending", exact=True, resume=str(stop6),
-             drop_pending=True),
-    ]
-    deadline = time.monotonic() + TIMEOUT_S
-    p1 = _start(second, tmp / "second.pt")
-    p2 = _start([_job("r2", tmp, dir="ddp_stop", exact=True, resume=True, args=TWO_RANKS)],
-                tmp / "two_resumed.pt", world=2)
-    _wait(p1 + p2, deadline)
-    return {"one": {**one_results, **_load(tmp / "second.pt")}, "stops": stops, "tmp": tmp,
-            "ranks": [{**ranks[r], **_load(Path(f"{tmp / 'two_resumed.pt'}.{r}"))} for r in range(2)]}
+    def run(tmp: Path) -> dict[str, Any]:
+        stops = {name: f"stop{i}" for i, name in enumerate(STOPS)}
+        first = [
+            _job("full", tmp, exact=True), _job("full_plain", tmp), _job("full_bf16", tmp, exact=True, bf16=True),
+            *(_job(stops[n], tmp, exact=True, stop_at=at) for n, (at, _) in STOPS.items()),
+            _job("stop_bf16", tmp, exact=True, bf16=True, stop_at=BF16_AT),
+            _job("jit", tmp, jit=True, stop_at=KILL_AT),
+            _job("killed_plain", tmp, stop_at=KILL_AT, killed=True),
+            # last: its SystemExit ends the process, whose exit status the test checks
+            _job("killed_exact", tmp, exact=True, stop_at=KILL_AT, uncaught=True),
+        ]
+        two = [_job("ddp_full", tmp, exact=True, args=TWO_RANKS),
+               _job("ddp_stop", tmp, exact=True, stop_at=6, stop_rank=1, args=TWO_RANKS, uncaught=True)]
+        deadline = time.monotonic() + TIMEOUT_S
+        p1 = _start(first, tmp / "first.pt")
+        p2 = _start(two, tmp / "two.pt", world=2)
+        _wait(p1 + p2, deadline, status=143)  # each ended by its last job's SystemExit(143)
+        one_results = _load(tmp / "first.pt")
+        ranks = [_load(Path(f"{tmp / 'two.pt'}.{r}")) for r in range(2)]
+
+        stop6 = tmp / stops[next(iter(STOPS))] / STOPS[next(iter(STOPS))][1]
+        damaged = tmp / "damaged" / stop6.name
+        shutil.copytree(stop6, damaged)
+        part = damaged / "rank-00000-of-00001.mpk"
+        part.write_bytes(part.read_bytes()[:-40])
+        two_ck = tmp / "ddp_stop" / "exact-checkpoint-1-2"
+        refusals = {
+            "gradient_accumulation_steps": {"gradient_accumulation_steps": 2},
+            "per_device_train_batch_size": {"per_device_train_batch_size": 1},
+            "seed": {"seed": 1},
+            "data_seed": {"data_seed": 3},
+        }
+        second = [
+            *(_job("r_" + stops[n], tmp, dir=stops[n], exact=True, resume=True) for n in STOPS),
+            _job("r_bf16", tmp, dir="stop_bf16", exact=True, bf16=True, resume=True),
+            _job("r_killed_exact", tmp, dir="killed_exact", exact=True, resume=True),
+            _job("r_step", tmp, dir="resume_step", exact=True, resume=str(tmp / "full" / "checkpoint-4")),
+            _job("r_killed_plain", tmp, dir="killed_plain", resume=True),
+            _job("r_jit", tmp, dir="jit", resume=True),
+            # stopped again inside the window it resumed in, then resumed from that
+            _job("chain", tmp, exact=True, resume=str(stop6), stop_at=1),
+            _job("r_chain", tmp, dir="chain", exact=True, resume=True),
+            *(_job("refuse_" + k, tmp, exact=True, resume=str(stop6), args=a) for k, a in refusals.items()),
+            _job("refuse_length", tmp, exact=True, resume=str(stop6), samples=19),
+            _job("refuse_world_size", tmp, exact=True, resume=str(two_ck)),
+            _job("refuse_damaged", tmp, exact=True, resume=str(damaged)),
+            _job("refuse_without_callback", tmp, resume=str(stop6)),
+            _job("r_no_pending", tmp, dir="no_pending", exact=True, resume=str(stop6),
+                 drop_pending=True),
+        ]
+        deadline = time.monotonic() + TIMEOUT_S
+        p1 = _start(second, tmp / "second.pt")
+        p2 = _start([_job("r2", tmp, dir="ddp_stop", exact=True, resume=True, args=TWO_RANKS)],
+                    tmp / "two_resumed.pt", world=2)
+        _wait(p1 + p2, deadline)
+        return {"one": {**one_results, **_load(tmp / "second.pt")}, "stops": stops, "tmp": tmp,
+                "ranks": [{**ranks[r], **_load(Path(f"{tmp / 'two_resumed.pt'}.{r}"))} for r in range(2)]}
+
+    return once(tmp_path_factory, "trainer-runs", run)
 
 
 def _max_diff(a: dict[str, Any], b: dict[str, Any], key: str = "params") -> float:
