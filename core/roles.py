@@ -8,6 +8,9 @@ nothing but the checkpoint file:
 - `train`: as `checkpoint`, then keep training until killed (`trainrec demo` kills it);
 - `resume`: load the checkpoint, restore, train to the end, save the final record
   (`--drop-pending` restores without the pending gradients, to show that they matter).
+  Given several checkpoints (and as many `--out` files), it resumes each in turn into
+  objects freshly built from the seed: the process has trained nothing when the first
+  one loads, and no resume starts from objects an earlier one touched.
 
 `trainrec demo` and the conformance suite's fresh-process test run these; their final
 records are compared with `trainrec.items.compare_items`.
@@ -83,30 +86,53 @@ def run_role(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--at", type=int, nargs="+", default=[0],
                    help="micro-steps to checkpoint after (several: one file each)")
     p.add_argument("--recorder", nargs="+", default=["mpk"],
-                   help="recorders to checkpoint with (resume: the first)")
+                   help="recorders to checkpoint with (resume: one for every checkpoint, or one each)")
     p.add_argument("--variant", default="default")
-    p.add_argument("--checkpoint", type=Path)
-    p.add_argument("--out", type=Path)
-    p.add_argument("--drop-pending", action="store_true")
+    p.add_argument("--checkpoint", type=Path, nargs="+", default=[],
+                   help="where to checkpoint (resume: the checkpoints to resume, one after another)")
+    p.add_argument("--out", type=Path, nargs="+", default=[],
+                   help="the final record (resume: one for each checkpoint)")
+    p.add_argument("--drop-pending", type=int, nargs="*", metavar="INDEX",
+                   help="resume without the pending gradients (the checkpoints at these indices; none: all)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if a.role == "resume":
+        if not a.checkpoint or len(a.out) != len(a.checkpoint):
+            p.error("resume needs --checkpoint and as many --out files as checkpoints")
+        if len(a.recorder) not in (1, len(a.checkpoint)):
+            p.error("resume needs one --recorder, or one for each checkpoint")
+        if any(not 0 <= i < len(a.checkpoint) for i in a.drop_pending or []):
+            p.error(f"--drop-pending indices must be below {len(a.checkpoint)}")
+    else:
+        if len(a.checkpoint) > 1 or len(a.out) > 1:
+            p.error(f"{a.role} takes one --checkpoint and one --out")
+        if a.drop_pending is not None:
+            p.error(f"--drop-pending is for resume, not {a.role}")
+        if not (a.out if a.role == "reference" else a.checkpoint):
+            p.error(f"{a.role} needs {'--out' if a.role == 'reference' else '--checkpoint'}")
     workload = load_workload(a.backend, a.variant)
     unknown = [r for r in a.recorder if r not in recorders_for(workload)]
     if unknown:
         p.error(f"--recorder must be among {sorted(recorders_for(workload))}, not {unknown}")
-    parts = workload.build(a.seed)
     final = NamedMpkFileRecorder(NativePrecisionSettings())
+    if a.role == "resume":
+        recorders = a.recorder * len(a.checkpoint) if len(a.recorder) == 1 else a.recorder
+        drop = set(range(len(a.checkpoint)) if a.drop_pending == [] else a.drop_pending or [])
+        for i, (checkpoint, out, recorder) in enumerate(zip(a.checkpoint, a.out, recorders)):
+            _resume(workload, a, checkpoint, out, recorder, i in drop, final)
+        return 0
+    parts = workload.build(a.seed)
 
     if a.role == "reference":
         train_until(workload, parts, a.steps, a.window)
-        _capture(workload, parts).save(final, a.out)
+        _capture(workload, parts).save(final, a.out[0])
         return 0
     if a.role in ("checkpoint", "train"):
         several = len(a.at) > 1 or len(a.recorder) > 1
         for at in sorted(a.at):
             train_until(workload, parts, at, a.window)
             for name in a.recorder:
-                path = checkpoint_path(a.checkpoint, at, name) if several else a.checkpoint
+                path = checkpoint_path(a.checkpoint[0], at, name) if several else a.checkpoint[0]
                 t0 = time.perf_counter()
                 _save(workload, _capture(workload, parts), name, path)
                 print(json.dumps({"checkpointed": at, "recorder": name,
@@ -116,17 +142,24 @@ def run_role(argv: Sequence[str] | None = None) -> int:
             while True:  # wait to be killed, as a training job would be
                 time.sleep(0.05)
         return 0
+    raise AssertionError(a.role)  # argparse allows no other role
+
+
+def _resume(workload: Workload, a: argparse.Namespace, checkpoint: Path, out: Path, recorder: str,
+            drop_pending: bool, final: NamedMpkFileRecorder) -> None:
+    """One resume into objects built afresh from the seed: load, restore, train to the
+    end, save the final record to `out`."""
+    parts = workload.build(a.seed)
     t0 = time.perf_counter()
-    record = _load(workload, a.recorder[0], a.checkpoint)
+    record = _load(workload, recorder, checkpoint)
     restored = record.restore(parts.model, parts.optimizer, parts.scheduler, workload.device)
     load_s = time.perf_counter() - t0
     parts.state = restored.state
-    parts.accumulator = GradientsAccumulator() if a.drop_pending else restored.accumulator
+    parts.accumulator = GradientsAccumulator() if drop_pending else restored.accumulator
     workload.after_restore(parts)
     train_until(workload, parts, a.steps, a.window)
-    _capture(workload, parts).save(final, a.out)
-    print(json.dumps({"load_s": load_s, "resumed_at": record.state.micro}), flush=True)
-    return 0
+    _capture(workload, parts).save(final, out)
+    print(json.dumps({"load_s": load_s, "resumed_at": record.state.micro, "out": str(out)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,36 @@
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # test modules share helpers
+
+# JAX compiles the same training steps in many processes of one run (the xdist workers,
+# every fresh process of a continuation or `trainrec check` test): a persistent
+# compilation cache shared by all of them, for this run only, compiles each once. The
+# cache's size bound turns on its file lock, so that two processes never read an entry
+# half written. A compiled program read from the cache is the one that was written:
+# results stay bitwise (test_jax_continuation.py compares against runs with the cache off).
+_JAX_CACHE = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+}
+_made_cache: list[str] = []
+
+
+def pytest_configure(config):
+    """Runs in xdist's controller before it starts the workers, which inherit the
+    environment (and find the cache already set up)."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # the caller's own cache, or the controller's
+    _made_cache.append(tempfile.mkdtemp(prefix="trainrec-tests-jax-cache-"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _made_cache[0]
+    for k, v in _JAX_CACHE.items():
+        os.environ.setdefault(k, v)
+
+
+def pytest_unconfigure(config):
+    for path in _made_cache:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,5 +1,7 @@
 """Shared harness for exact-continuation tests: reference runs, checkpoints and resumes
-of `python -m trainrec.roles` roles, each resume in a fresh process, two at a time."""
+of `python -m trainrec.roles` roles, two processes at a time. The resumes of a variant
+run in one fresh process that has trained nothing when it loads the first, each resume
+into objects built afresh (torch and JAX processes cost seconds each to start)."""
 
 from __future__ import annotations
 
@@ -24,42 +26,50 @@ def cmd(backend: str, role: str, variant: str, **kw) -> list[str]:
     return out
 
 
-def run_all(cmds: list[list[str]], env: dict | None = None) -> None:
-    def one(c: list[str]) -> None:
-        res = subprocess.run(c, capture_output=True, text=True, env=env)
+def run_all(cmds: list[list[str]], env: dict | None = None, envs: list[dict | None] | None = None) -> None:
+    """Run `cmds` two at a time, in `env` (or each in its entry of `envs`)."""
+    def one(c: list[str], e: dict | None) -> None:
+        res = subprocess.run(c, capture_output=True, text=True, env=e)
         if res.returncode:
             raise RuntimeError(f"{' '.join(c[3:])} failed:\n{res.stderr}")
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(one, cmds))
+        list(pool.map(one, cmds, envs or [env] * len(cmds)))
 
 
 def continuation_results(backend: str, cases: list[tuple[str, int, str]],
                          no_pending: list[tuple[str, int]], tmp: Path,
-                         env: dict | None = None) -> dict:
+                         env: dict | None = None, reference_env: dict | None = None) -> dict:
     """{(variant, position, recorder or "drop"): (reference item, resumed item)}: one
-    reference and one checkpointing process per variant, one fresh process per resume."""
+    reference (in `reference_env` if given), one checkpointing and one resuming process
+    per variant."""
     variants = sorted({c[0] for c in cases} | {v for v, _ in no_pending})
-    first = []
+    first, first_envs = [], []
     for variant in variants:
         ats = sorted({WINDOW + pos for v, pos, _ in cases if v == variant}
                      | {WINDOW + pos for v, pos in no_pending if v == variant})
         recs = sorted({r for v, _, r in cases if v == variant} | {"mpk"})
         first.append(cmd(backend, "reference", variant, out=tmp / f"{variant}-ref.mpk"))
         first.append(cmd(backend, "checkpoint", variant, at=ats, recorder=recs, checkpoint=tmp / variant))
-    run_all(first, env)
-    resumes = {}
+        first_envs += [reference_env or env, env]
+    run_all(first, envs=first_envs)
+    resumes = {}  # (variant, position, recorder or "drop") -> (checkpoint, recorder, out)
     for variant, pos, rec in cases:
-        ckpt = checkpoint_path(tmp / variant, WINDOW + pos, rec)
-        resumes[(variant, pos, rec)] = cmd(backend, "resume", variant, recorder=rec, checkpoint=ckpt,
-                                           out=tmp / f"{variant}-{pos}-{rec}.out")
+        resumes[(variant, pos, rec)] = (checkpoint_path(tmp / variant, WINDOW + pos, rec), rec,
+                                        tmp / f"{variant}-{pos}-{rec}.out")
     for variant, pos in no_pending:
-        ckpt = checkpoint_path(tmp / variant, WINDOW + pos, "mpk")
-        resumes[(variant, pos, "drop")] = cmd(backend, "resume", variant, checkpoint=ckpt,
-                                              drop_pending=True, out=tmp / f"{variant}-{pos}-drop.out")
-    run_all(list(resumes.values()), env)
+        resumes[(variant, pos, "drop")] = (checkpoint_path(tmp / variant, WINDOW + pos, "mpk"), "mpk",
+                                           tmp / f"{variant}-{pos}-drop.out")
+    second = []
+    for variant in variants:
+        keys = [k for k in resumes if k[0] == variant]
+        second.append(cmd(backend, "resume", variant, checkpoint=[resumes[k][0] for k in keys],
+                          recorder=[resumes[k][1] for k in keys], out=[resumes[k][2] for k in keys],
+                          **({"drop_pending": [i for i, k in enumerate(keys) if k[2] == "drop"]}
+                             if any(k[2] == "drop" for k in keys) else {})))
+    run_all(second, env)
     refs = {v: read_file(tmp / f"{v}-ref.mpk")[1] for v in variants}
-    return {key: (refs[key[0]], read_file(c[c.index("--out") + 1])[1]) for key, c in resumes.items()}
+    return {key: (refs[key[0]], read_file(out)[1]) for key, (_, _, out) in resumes.items()}
 
 
 def assert_exact(results: dict, key: tuple) -> None:

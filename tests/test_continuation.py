@@ -1,20 +1,22 @@
 """Exact continuation on the reference adapter: checkpoint at every micro-step position
 of an accumulation window, with every core recorder, restore in a fresh process,
-continue, and compare bitwise with an uninterrupted run."""
+continue, and compare bitwise with an uninterrupted run (three processes in all: the
+uninterrupted run, the checkpointing run, and the resumes)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from trainrec import read_file
 from trainrec.items import compare_items
+from trainrec.roles import checkpoint_path
 
 STEPS, WINDOW, BASE = 16, 4, 8
+RECORDERS = ["mpk", "mpk-full", "gz", "bytes"]
 
 
 def role(backend: str, name: str, steps: int = STEPS, **kw) -> None:
@@ -22,33 +24,38 @@ def role(backend: str, name: str, steps: int = STEPS, **kw) -> None:
     cmd = [sys.executable, "-m", "trainrec.roles", name, "--backend", backend,
            "--steps", str(steps), "--window", str(WINDOW)]
     for k, v in kw.items():
-        cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+        cmd += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(x) for x in (v if isinstance(v, list) else [v])])
     subprocess.run(cmd, check=True)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("ref") / "reference.mpk"
-    role("numpy", "reference", out=out)
-    return read_file(out)[1]
+def runs(tmp_path_factory) -> dict:
+    """The final records of an uninterrupted run ("reference") and of every resume, by
+    (position, recorder or "drop"): one process writes every checkpoint (each position of
+    the window, each recorder), and one fresh process, which has trained nothing when it
+    loads the first, resumes them one after another, each into objects built afresh."""
+    tmp = tmp_path_factory.mktemp("continuation")
+    role("numpy", "reference", out=tmp / "reference.mpk")
+    role("numpy", "checkpoint", at=[BASE + p for p in range(WINDOW)], recorder=RECORDERS, checkpoint=tmp / "ckpt")
+    cases = [(p, r) for p in range(WINDOW) for r in RECORDERS] + [(p, "drop") for p in range(1, WINDOW)]
+    ckpts = [checkpoint_path(tmp / "ckpt", BASE + p, "mpk" if r == "drop" else r) for p, r in cases]
+    outs = [tmp / f"resumed-{p}-{r}.mpk" for p, r in cases]
+    role("numpy", "resume", checkpoint=ckpts, out=outs, recorder=["mpk" if r == "drop" else r for _, r in cases],
+         drop_pending=[i for i, (_, r) in enumerate(cases) if r == "drop"])
+    return {"reference": read_file(tmp / "reference.mpk")[1],
+            **{case: read_file(out)[1] for case, out in zip(cases, outs)}}
 
 
-@pytest.mark.parametrize("recorder", ["mpk", "mpk-full", "gz", "bytes"])
+@pytest.mark.parametrize("recorder", RECORDERS)
 @pytest.mark.parametrize("position", range(WINDOW))
-def test_resume_in_a_fresh_process_is_bitwise_identical(reference, tmp_path: Path, recorder, position):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.mpk"
-    role("numpy", "checkpoint", at=BASE + position, recorder=recorder, checkpoint=ckpt)
-    role("numpy", "resume", recorder=recorder, checkpoint=ckpt, out=out)
-    exact, diff, paths = compare_items(reference, read_file(out)[1])
+def test_resume_in_a_fresh_process_is_bitwise_identical(runs, recorder, position):
+    exact, diff, paths = compare_items(runs["reference"], runs[(position, recorder)])
     assert exact, f"differs at {paths[:5]} (max {diff})"
 
 
 @pytest.mark.parametrize("position", range(1, WINDOW))
-def test_resume_without_the_pending_gradients_is_not_identical(reference, tmp_path, position):
-    ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.mpk"
-    role("numpy", "checkpoint", at=BASE + position, checkpoint=ckpt)
-    role("numpy", "resume", checkpoint=ckpt, out=out, drop_pending=True)
-    exact, diff, paths = compare_items(reference, read_file(out)[1])
+def test_resume_without_the_pending_gradients_is_not_identical(runs, position):
+    exact, diff, paths = compare_items(runs["reference"], runs[(position, "drop")])
     assert not exact and diff > 0
     assert any(p.startswith("0.") for p in paths)  # the model parameters differ
 

@@ -1,11 +1,17 @@
 """Exact continuation with the JAX adapter, restored in a fresh process: every
 micro-step position of an accumulation window, the core NamedMpk recorder and
 `FlaxMsgpackFileRecorder`, optax schedules inside the optimizer and through
-`JaxLrScheduler` + `inject_hyperparams` (see `trainrec/adapters/jax/demo.py`)."""
+`JaxLrScheduler` + `inject_hyperparams` (see `trainrec/adapters/jax/demo.py`).
+
+The checkpointing and resuming processes read their compiled steps from the suite's
+persistent compilation cache (tests/conftest.py); the uninterrupted runs they are
+compared with compile theirs with the cache off, so a cache that changed a bit would
+fail here."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +33,18 @@ CASES = [
 NO_PENDING = [("default", 2)]
 
 
+UNCACHED = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"))
+    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"), reference_env=UNCACHED)
+
+
+def test_the_fresh_processes_share_the_suites_compilation_cache(results):
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    assert cache and any(p.name.endswith("-cache") for p in Path(cache).iterdir()), \
+        "the checkpointing and resuming processes wrote nothing to the suite's compilation cache"
 
 
 @pytest.mark.parametrize(("variant", "position", "recorder"), CASES)
@@ -46,5 +61,6 @@ def test_jax_resume_without_pending_gradients_differs(results, variant, position
 @pytest.mark.skipif("not any(d.platform == 'gpu' for d in __import__('jax').devices())",
                     reason="needs a GPU visible to JAX")
 def test_jax_resume_on_gpu_is_bitwise_identical(tmp_path):
-    assert_all(continuation_results("jax", CASES, NO_PENDING, tmp_path,
-                                    env={**os.environ, "TRAINREC_DEMO_DEVICE": "gpu:0"}))
+    gpu = {"TRAINREC_DEMO_DEVICE": "gpu:0"}
+    assert_all(continuation_results("jax", CASES, NO_PENDING, tmp_path, env={**os.environ, **gpu},
+                                    reference_env={**UNCACHED, **gpu}))

@@ -3,8 +3,9 @@ micro-step position of an accumulation window, the core NamedMpk recorder and
 `TorchFileRecorder`, three workloads (see `trainrec/adapters/torch/demo.py`).
 
 Each torch process costs seconds (torch and its optimizer machinery import), so one
-process per workload writes all of its checkpoints, and independent processes run two
-at a time; every resume still runs in a fresh process of its own.
+process per workload writes all of its checkpoints, one fresh process per workload
+resumes them all (it has trained nothing when it loads the first; each resume goes into
+objects built afresh), and independent processes run two at a time.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 It starts runs in the middle of an accumulation window (`midway`), snapshots every
 tensor and scalar of a run (`snapshot`), and runs the exact-continuation scenario in
-fresh processes (`continuation`, through the roles of `trainrec.roles`). `Workload`
+fresh processes (`continuation`, through the roles of `trainrec.roles`: one process
+resumes every checkpoint, one after another, each into freshly built objects). `Workload`
 and `Parts` live in `trainrec.workload`; `Harness` is the name `Workload` had here
 before, kept so that adapters written against it still run.
 """
@@ -52,7 +53,9 @@ def snapshot(w: Workload, parts: Parts) -> bytes:
 def continuation(w: Workload, tmp: Path) -> tuple[Item, dict[int, Item], Item]:
     """The final records of a run that never stopped, of runs checkpointed at each
     position of the second window and resumed in a fresh process (by position), and of
-    one resumed mid-window without its pending gradients. Raises AssertionError naming
+    one resumed mid-window without its pending gradients. Three processes: the
+    uninterrupted run, one that writes every checkpoint, and one that has trained nothing
+    when it resumes them, each into objects built afresh. Raises AssertionError naming
     the role when a process fails."""
     steps = 3 * w.window
     common = {"steps": steps, "window": w.window}
@@ -66,13 +69,10 @@ def continuation(w: Workload, tmp: Path) -> tuple[Item, dict[int, Item], Item]:
 
     role("reference", out=tmp / "ref.mpk")
     role("checkpoint", at=ats, recorder=["mpk", "bytes"], checkpoint=tmp / "ckpt")
-    resumed: dict[int, Item] = {}
-    for p, at in enumerate(ats):
-        rec = "mpk" if p % 2 == 0 else "bytes"
-        role("resume", recorder=rec, checkpoint=checkpoint_path(tmp / "ckpt", at, rec),
-             out=tmp / f"res{p}.mpk")
-        resumed[p] = read_file(tmp / f"res{p}.mpk")[1]
+    recorders = ["mpk" if p % 2 == 0 else "bytes" for p in range(w.window)] + ["mpk"]
     mid = w.window + w.window // 2
-    role("resume", drop_pending=True, checkpoint=checkpoint_path(tmp / "ckpt", mid, "mpk"),
-         out=tmp / "drop.mpk")
+    checkpoints = [checkpoint_path(tmp / "ckpt", at, rec) for at, rec in zip([*ats, mid], recorders)]
+    outs = [tmp / f"res{p}.mpk" for p in range(w.window)] + [tmp / "drop.mpk"]
+    role("resume", recorder=recorders, checkpoint=checkpoints, out=outs, drop_pending=[w.window])
+    resumed = {p: read_file(outs[p])[1] for p in range(w.window)}
     return read_file(tmp / "ref.mpk")[1], resumed, read_file(tmp / "drop.mpk")[1]
