@@ -26,18 +26,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .bindings import (
-        ADAPTER,
-        JaxAdapter,
-        JaxBackend,
-        JaxLrScheduler,
-        JaxModule,
-        JaxOptimizer,
-        accumulate_tree,
-        grads_from,
-        to_tree,
-    )
+    from .adapter import ADAPTER, JaxAdapter
+    from .backend import JaxBackend, accumulate_tree
+    from .bindings import JaxLrScheduler, JaxModule, JaxOptimizer
     from .equinox import EqxModule
+    from .grads import grads_from, to_tree
     from .nnx import NnxModule, NnxOptimizer
     from .orbax_recorder import OrbaxRecorder, shardings_of
     from .recorder import FlaxMsgpackFileRecorder
@@ -70,6 +63,8 @@ _HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
 _HOME["JaxRngRecord"] = "rng"
 _HOME["restore_tree"] = "restore"
 _HOME["OrbaxRecorder"] = _HOME["shardings_of"] = "orbax_recorder"
+_HOME.update(ADAPTER="adapter", JaxAdapter="adapter", JaxBackend="backend",
+             accumulate_tree="backend", grads_from="grads", to_tree="grads")
 
 
 def __getattr__(name: str) -> Any:

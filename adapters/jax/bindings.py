@@ -13,36 +13,29 @@ field names): `params.Dense_0.kernel`, optax's `1.0.mu.Dense_0.kernel`.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trainrec import (
-    DType,
-    FloatDType,
-    GradientsParams,
     RecordMismatchError,
     StateRecord,
-    TensorData,
 )
 from trainrec.adapter_kit import (
     Change,
     Item,
     UncheckedIdentityWarning,
-    check_tensor_map,
     expect_kind,
-    kind_mismatches,
     settle,
     unchecked,
 )
 
+from .backend import _BACKEND, JaxBackend, accumulate_tree
 from .identity import (
     IDENTITY_KEY,
     STATE_TYPES_KEY,
@@ -53,313 +46,16 @@ from .identity import (
     state_types_of,
 )
 from .neutral import TRANSFORMS_KEY
+from .paths import flatten, key_path
 from .placement import (
     DeletedArrayError,
     abstract_error,
-    capture_tensor,
-    host_copy,
     is_abstract,
-    is_array_like,
-    place_tensor,
-    restored_dtype,
-    sharding_of,
-    start_host_copy,
 )
-from .rng import is_typed_key, key_from_item, key_item, key_problems
+from .trees import _check_tree, _host, _placements, _rebuild
 
-__all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "grads_from", "to_tree",
-           "accumulate_tree", "JaxAdapter", "ADAPTER", "key_path", "flatten"]
-
-
-def _key_name(k: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def key_path(path: tuple[Any, ...]) -> str:
-    """A pytree key path as a ParamId: the keys joined with `.` (a flax nnx Variable's
-    trailing `.value` is left out: `l.kernel`, not `l.kernel.value`)."""
-    names = [_key_name(k) for k in path]
-    if len(names) > 1 and names[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
-        names.pop()
-    return ".".join(names)
-
-
-def flatten(tree: Any) -> tuple[dict[str, Any], Any]:
-    """Leaves by ParamId, in pytree order, and the treedef to rebuild the tree."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    out: dict[str, Any] = {}
-    for path, leaf in leaves:
-        name = key_path(path)
-        if name in out:
-            raise ValueError(f"two pytree leaves share the ParamId {name!r}")
-        out[name] = leaf
-    return out, treedef
-
-
-class JaxBackend:
-    """`AutodiffBackend` over JAX arrays. Devices: `jax.Device` or strings `"cpu"`,
-    `"cpu:N"`, `"gpu"`, `"gpu:N"` (also `"cuda:N"`). Arrays are immutable: `add` returns a
-    new array and `clone` may return its argument."""
-
-    name = "jax"
-
-    def device(self, spec: Any) -> Any:
-        """A `jax.Device`; a `jax.sharding.Sharding` passes through as it is (where a
-        parameter's pending gradient goes: its parameter's sharding)."""
-        if spec is None:
-            return jax.devices()[0]
-        if isinstance(spec, (jax.Device, jax.sharding.Sharding)):
-            return spec
-        if not isinstance(spec, str):
-            raise ValueError(f"{spec!r} is not a JAX device")
-        kind, _, index = spec.partition(":")
-        kind = {"cuda": "gpu"}.get(kind, kind)
-        try:
-            devices = jax.devices(kind)
-        except RuntimeError:
-            what = "no CUDA device is visible to JAX" if kind == "gpu" else f"JAX has no {kind} devices"
-            raise ValueError(f"{spec!r}: {what}; restore to 'cpu'") from None
-        i = int(index) if index.isdigit() else 0 if not index else -1
-        if not 0 <= i < len(devices):
-            raise ValueError(f"{spec!r}: JAX has {len(devices)} {kind} devices")
-        return devices[i]
-
-    def device_of(self, tensor: Any) -> jax.Device:
-        return next(iter(tensor.devices()))
-
-    def is_tensor(self, obj: Any) -> bool:
-        return isinstance(obj, jax.Array)
-
-    def dtype_of(self, tensor: Any) -> DType:
-        return DType.from_numpy(tensor.dtype)
-
-    def shape_of(self, tensor: Any) -> tuple[int, ...]:
-        return tuple(tensor.shape)
-
-    def to_host(self, tensor: Any) -> np.ndarray[Any, Any]:
-        if is_typed_key(tensor):
-            raise TypeError(f"a typed JAX key ({tensor.dtype}) is not a tensor: record it with "
-                            "trainrec.adapters.jax.JaxRngRecord.capture(key) (a state field "
-                            "`rng: JaxRngRecord | None`)")
-        return host_copy(tensor)  # a sharded array shard by shard, never gathered
-
-    def to_tensor(self, tensor: Any) -> TensorData:
-        """A record of `tensor`: a `ShardedTensor` (this process's shards) for an array
-        that spans other processes, else its host copy."""
-        if is_typed_key(tensor):
-            self.to_host(tensor)  # raises, naming JaxRngRecord
-        return capture_tensor(tensor)
-
-    def from_tensor(self, tensor: TensorData, device: Any) -> jax.Array:
-        """A new array of `tensor` laid out by `device` (a device or a sharding); a
-        `ShardedTensor` built from its shards."""
-        return place_tensor(tensor, None, self.device(device), tensor.dtype.numpy)
-
-    async def to_host_async(self, tensor: Any) -> np.ndarray[Any, Any]:
-        if isinstance(tensor, jax.Array) and not tensor.is_fully_addressable:
-            return self.to_tensor(tensor)  # type: ignore[return-value]  # the accumulator keeps it
-        if isinstance(tensor, jax.Array) and not is_typed_key(tensor):
-            start_host_copy(tensor)  # each distinct shard, not the replicas
-            while not tensor.is_ready():  # type: ignore[attr-defined]  # missing from jax.Array's stub
-                await asyncio.sleep(0.0005)
-        return self.to_host(tensor)
-
-    def from_host(self, array: np.ndarray[Any, Any], device: Any) -> jax.Array:
-        """A new array of `array` on `device` (a device, or a sharding to lay it out by)."""
-        out: jax.Array = jax.device_put(np.array(array, copy=True), self.device(device))
-        return out
-
-    def cast(self, tensor: Any, dtype: DType) -> jax.Array:
-        if tensor.dtype == dtype.numpy:
-            return tensor  # type: ignore[no-any-return]
-        return tensor.astype(dtype.numpy)  # type: ignore[no-any-return]
-
-    def clone(self, tensor: Any) -> jax.Array:
-        return tensor  # type: ignore[no-any-return]  # immutable: sharing is safe
-
-    def gradient_problem(self, grad: Any) -> str | None:
-        """What makes `grad` no gradient the accumulator can hold (None: it can): not an
-        array, a tracer (a call inside `jax.jit`/`jax.grad`), or not a recordable float
-        dtype. Called for every gradient of every `accumulate`: the usual case is two
-        lookups."""
-        kind = type(grad)
-        if kind not in _ARRAY_TYPES:
-            if isinstance(grad, jax.core.Tracer):
-                return (f"is a traced value ({kind.__name__}): accumulate and adopt run outside "
-                        "jax.jit; inside a jitted step sum with trainrec.adapters.jax."
-                        "accumulate_tree and adopt the sum outside it")
-            if not isinstance(grad, (jax.Array, np.ndarray)):
-                return f"is a {kind.__name__}, not a JAX array"
-            _ARRAY_TYPES.add(kind)
-        if kind is not np.ndarray and isinstance(grad, jax.Array) and grad.is_deleted():
-            return ("was deleted (donated to a jitted step through donate_argnums, or .delete()): "
-                    "accumulate the gradients the step returned")
-        if grad.dtype not in _GRAD_DTYPES:
-            return (f"has dtype {grad.dtype}, not a float dtype a record holds "
-                    "(float64, float32, float16, bfloat16)")
-        return None
-
-    def add(self, pending: Any, grad: Any) -> jax.Array:
-        return pending + grad  # type: ignore[no-any-return]
-
-    def add_many(self, pending: list[Any], grads: list[Any], dtype: DType | None) -> list[Any]:
-        """`add` for many pairs in one dispatch: one jitted function of the two lists,
-        compiled once per tree structure, shapes and dtypes (`pending[i]` None: the
-        gradient cast to `dtype`); leaves of 2**18 elements or more get a dispatch each.
-        Bitwise what the pair-by-pair casts and adds give.
-        No buffer is donated: a pending array may be the caller's own gradient (the first
-        `accumulate` keeps it, JAX arrays being immutable) or an adopted tree."""
-        name = None if dtype is None else dtype.numpy.name
-        big = [i for i, g in enumerate(grads) if g.size >= _OWN_DISPATCH]
-        if not big:
-            return _add_many(pending, grads, name)  # type: ignore[no-any-return]
-        # a large leaf gets its own dispatch: on CPU one program runs its adds one after
-        # another, while separate dispatches run on the device's threads side by side
-        small = [i for i, g in enumerate(grads) if g.size < _OWN_DISPATCH]
-        out: list[Any] = [None] * len(grads)
-        for i, v in zip(small, _add_many([pending[i] for i in small], [grads[i] for i in small], name)):
-            out[i] = v
-        for i in big:
-            out[i] = _add_many([pending[i]], [grads[i]], name)[0]
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, JaxBackend)
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
-
-_BACKEND = JaxBackend()
-_ARRAY_TYPES: set[type] = set()  # concrete array types seen (tracers never enter)
-_GRAD_DTYPES = frozenset(np.dtype(d) for d in ("float64", "float32", "float16", jnp.bfloat16))
-TRACES = [0]  # how many times `_add_many` was traced (compiled): tests count them
-_OWN_DISPATCH = 1 << 18  # elements from which a leaf is added in a dispatch of its own
-
-
-def _sum(pending: Any, grad: Any, dtype: str | None) -> Any:
-    if pending is None:
-        return grad.astype(dtype or grad.dtype)
-    target = dtype or pending.dtype
-    return pending.astype(target) + grad.astype(target)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _add_many(pending: list[Any], grads: list[Any], dtype: str | None) -> list[Any]:
-    TRACES[0] += 1
-    return [_sum(p, g, dtype) for p, g in zip(pending, grads)]
-
-
-def accumulate_tree(pending: Any, grads: Any, dtype: Any = None) -> Any:
-    """The pure, jit-able form of `GradientsAccumulator.accumulate` for a loop that sums
-    gradients inside its own jitted step: `pending + grads` leaf by leaf, each gradient
-    cast to its pending leaf's dtype, or both cast to `dtype` when given (as
-    `accumulate_with_dtype`); `pending=None` starts a window (the gradients, cast to
-    `dtype` when given). Bitwise what the accumulator computes. Before a checkpoint hand
-    the sum to the accumulator: `acc.adopt(module, grads_from(pending, module))`."""
-    name = None if dtype is None else _float_dtype_name(dtype)
-    if pending is None:
-        return jax.tree_util.tree_map_with_path(lambda k, g: _sum(None, _checked(k, g), name), grads)
-    return jax.tree_util.tree_map_with_path(lambda k, p, g: _sum(_checked(k, p, g), _checked(k, g), name),
-                                            pending, grads)
-
-
-def _float_dtype_name(dtype: Any) -> str:
-    """The numpy name of `dtype` (what `FloatDType.of` takes), which must be a float dtype
-    a record holds; else `TypeError` saying where `FloatDType` lives."""
-    return str(FloatDType.of(dtype).dtype.numpy.name)
-
-
-def _checked(path: Any, leaf: Any, grad: Any = None) -> Any:
-    """`leaf` (a gradient, or the pending sum beside `grad`) when it is a float array of
-    the same shape as `grad`: shapes are static, so under `jit` this costs nothing."""
-    where = key_path(path)
-    if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-        raise TypeError(f"gradient {where!r} is a {type(leaf).__name__}, not an array")
-    if np.dtype(leaf.dtype) not in _GRAD_DTYPES:
-        raise TypeError(f"gradient {where!r} has dtype {leaf.dtype}, not a float dtype a record holds "
-                        "(float64, float32, float16, bfloat16)")
-    if grad is not None and tuple(leaf.shape) != tuple(getattr(grad, "shape", ())):
-        raise ValueError(f"gradient {where!r} has shape {tuple(getattr(grad, 'shape', ()))}, pending "
-                         f"{tuple(leaf.shape)}: the sum would broadcast (the gradient is of another model)")
-    return leaf
-
-
-def _host(leaf: Any, name: str = "") -> Item:
-    if is_abstract(leaf):
-        raise abstract_error(name)
-    if is_typed_key(leaf):  # nnx RngKey variables: {impl, data}, restored exactly
-        return key_item(leaf)
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
-        if is_typed_key(leaf):
-            _BACKEND.to_host(leaf)  # raises, naming JaxRngRecord
-        return capture_tensor(leaf)  # a ShardedTensor for an array spanning other processes
-    if leaf is None or isinstance(leaf, (bool, int, float, str)):
-        return leaf
-    raise TypeError(f"pytree leaf of type {type(leaf).__name__} cannot be recorded")
-
-
-def _dtype(leaf: Any) -> Any:
-    return leaf.dtype if is_array_like(leaf) else np.asarray(leaf).dtype
-
-
-def _expected(leaves: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], DType]]:
-    return {k: (tuple(np.shape(v)), DType.from_numpy(_dtype(v)))
-            for k, v in leaves.items() if not isinstance(v, (bool, int, float, str)) and v is not None
-            and not is_typed_key(v)}
-
-
-def _rebuild(live: dict[str, Any], treedef: Any, recorded: dict[str, Item], device: Any) -> Any:
-    """A new tree of the live structure whose leaves are the recorded values, each of its
-    recorded dtype (`restored_dtype`) placed as its live leaf is: a live array's sharding,
-    an abstract leaf's (`jax.ShapeDtypeStruct`) sharding, else `device` for an abstract
-    leaf without one; a host (numpy) leaf stays on the host."""
-    new: list[Any] = []
-    dev = None
-    for name, leaf in live.items():
-        value = recorded[name]
-        if is_typed_key(leaf):
-            new.append(key_from_item(value, leaf, name))
-        elif isinstance(value, TensorData):
-            if is_array_like(leaf):
-                if dev is None and sharding_of(leaf) is None:
-                    dev = _BACKEND.device(device)
-                new.append(place_tensor(value, leaf, dev, restored_dtype(value, name), name))
-            else:
-                new.append(np.array(value.array, copy=True))
-        else:
-            new.append(value)
-    return jax.tree_util.tree_unflatten(treedef, new)
-
-
-def _placements(leaves: list[Any], ids: Iterable[str]) -> dict[str, Any]:
-    return {pid: s for pid, s in ((pid, sharding_of(v)) for pid, v in zip(ids, leaves)) if s is not None}
-
-
-def _check_tree(item: Item, live: dict[str, Any], component: str) -> dict[str, Item]:
-    if not isinstance(item, dict):
-        raise RecordMismatchError("expected a map of leaves", key=component)
-    tensors = {k: v for k, v in item.items() if isinstance(v, TensorData)}
-    scalars = {k: v for k, v in item.items() if not isinstance(v, TensorData)}
-    expected = _expected(live)
-    check_tensor_map(tensors, expected, component, allow_subset=True, keep_dtype=False)
-    for k, v in tensors.items():  # what JAX cannot hold (64-bit without x64) is refused now
-        if k in live and is_array_like(live[k]):
-            restored_dtype(v, f"{component}.{k}")
-    missing = [k for k in live if k not in item]
-    wrong = [k for k in scalars if k not in live or k in expected]
-    if missing or wrong:
-        raise RecordMismatchError(
-            f"structure differs from the live pytree: missing {missing}, unexpected {wrong}",
-            key=component)
-    problems = [p for k, v in scalars.items() for p in
-                (key_problems(v, live[k], k) if is_typed_key(live[k]) else kind_mismatches(v, _host(live[k]), k))]
-    if problems:
-        raise RecordMismatchError("; ".join(problems), key=component)
-    return dict(item)
+__all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "accumulate_tree", "key_path",
+           "flatten"]
 
 
 def _is_dict(tree: Any) -> bool:
@@ -654,145 +350,3 @@ class JaxLrScheduler:
         self.count = self._checked(record, allow_changes, warn=False)
 
 
-def _as_module(module: Any) -> JaxModule:
-    """`module`, or the `JaxModule` this adapter binds it to (an `nnx.Module`, an `eqx.Module`)."""
-    bound = module if isinstance(module, JaxModule) else ADAPTER.adapt(module)
-    if not isinstance(bound, JaxModule):
-        raise TypeError(f"module must be a JaxModule, an nnx.Module or an eqx.Module, got {type(module).__name__}")
-    return bound
-
-
-def grads_from(grad_tree: Any, module: Any) -> GradientsParams:
-    """Gradients by ParamId from a gradient pytree shaped like the module's trainable
-    tree (`jax.grad` of a loss of `variables["params"]`) or like the whole module, in
-    any container: dict, flax `FrozenDict`, nnx `State` or `nnx.to_pure_dict`'s dicts.
-    `module` may be the `nnx.Module` or `eqx.Module` itself (`nnx.grad`'s `State`,
-    `eqx.filter_grad`'s module-shaped tree). Raises `ValueError` when `grad_tree` has
-    leaves of which none is for a parameter of `module`.
-
-    A training loop calls this every micro-step, so the ParamIds are worked out once per
-    gradient tree structure (a treedef fixes every key path, as `_param_ids` caches the
-    module's) and checked against the module then; a later tree of that structure is
-    named without walking the module again (`accumulate`, `adopt` and `to_tree` refuse
-    gradients none of which is for their module all the same)."""
-    module = _as_module(module)
-    leaves, treedef = jax.tree_util.tree_flatten(grad_tree)
-    prefix = module._trainable_prefix()
-    key = (treedef, prefix)
-    names = _GRAD_IDS.get(key)
-    if names is None:
-        names = _grad_names(grad_tree, set(module.param_ids()), prefix)
-        if len(_GRAD_IDS) >= 256:
-            _GRAD_IDS.clear()
-        _GRAD_IDS[key] = names
-    return GradientsParams(dict(zip(names, leaves)))
-
-
-_GRAD_IDS: dict[tuple[Any, str], tuple[str, ...]] = {}
-
-
-def _grad_names(grad_tree: Any, ids: set[str], prefix: str) -> tuple[str, ...]:
-    """The ParamIds of `grad_tree`'s leaves in pytree order: their key paths, under the
-    module's trainable `prefix` when that names more of the module's parameters."""
-    names = list(flatten(grad_tree)[0])
-    if prefix:
-        qualified = [f"{prefix}.{k}" for k in names]
-        if sum(k in ids for k in qualified) > sum(k in ids for k in names):
-            names = qualified
-    if names and not ids.intersection(names):
-        raise ValueError(
-            f"none of the gradient tree's {len(names)} leaves is a parameter of the module: "
-            f"leaves {sorted(names)[:3]}, module parameters {sorted(ids)[:3]}"
-        )
-    return tuple(names)
-
-
-def to_tree(grads: GradientsParams, module: Any, *, allow_empty: bool = False) -> Any:
-    """A pytree shaped like the module's trainable tree, holding `grads` (zeros for
-    parameters without a gradient), as optax's `update` expects.
-
-    A tree of zeros would train on nothing: empty `grads` (an accumulator's `grads()` taken
-    twice, or before any `accumulate`) raise `ValueError` unless `allow_empty=True`, and
-    non-empty `grads` of which none is for a parameter of the module always raise, naming
-    a few of each. Gradients of ParamIds the module lacks are otherwise ignored."""
-    if not isinstance(grads, GradientsParams):
-        raise TypeError(f"grads must be GradientsParams, got {type(grads).__name__}")
-    module = _as_module(module)
-    if grads.is_empty() and not allow_empty:
-        raise ValueError(
-            "grads is empty: the tree would be all zeros and the update would train on nothing "
-            "(was acc.grads() already taken this window?); pass allow_empty=True for zeros"
-        )
-    leaves, treedef = flatten(module.trainable())
-    prefix = module._trainable_prefix()
-    ids = [f"{prefix}.{k}" if prefix else k for k in leaves]
-    if not grads.is_empty() and not any(pid in grads for pid in ids):
-        raise ValueError(
-            f"none of the {len(grads)} gradients is for a parameter of the module: gradients "
-            f"for {_some(grads)}, module parameters {_some(ids)}; the tree would be all zeros "
-            "(name gradients by the module's ParamIds: grads_from(tree, module) does)"
-        )
-    out = []
-    for pid, v in zip(ids, leaves.values()):
-        g = grads.get(pid)
-        if g is not None and tuple(getattr(g, "shape", ())) != tuple(v.shape):
-            raise ValueError(f"gradient of {pid!r} has shape {tuple(getattr(g, 'shape', ()))}, parameter "
-                             f"{tuple(v.shape)} (gradients of another model?)")
-        out.append(jnp.zeros_like(v) if g is None else g)
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _some(ids: Iterable[str], n: int = 3) -> str:
-    names = list(ids)
-    shown = ", ".join(repr(k) for k in names[:n])
-    return f"[{shown}{f', ... ({len(names)} in all)' if len(names) > n else ''}]"
-
-
-class JaxAdapter:
-    """Claims JAX arrays, the `jax.Array` type and JAX devices for `JaxBackend`, binds a
-    flax `nnx.Module` / `nnx.Optimizer` (`NnxModule`, `NnxOptimizer`) and an equinox
-    `eqx.Module` (`EqxModule`), found only when the caller imported flax nnx or equinox;
-    the holders above implement the protocols themselves."""
-
-    name = "jax"
-
-    def adapt(self, obj: Any) -> Any:
-        if isinstance(obj, (jax.Array, jax.Device)):
-            return _BACKEND
-        if isinstance(obj, type) and issubclass(obj, jax.Array):
-            return _BACKEND
-        _refuse_containers(obj)
-        nnx = sys.modules.get("flax.nnx")
-        if nnx is not None and isinstance(obj, nnx.Optimizer):
-            from .nnx import NnxOptimizer
-            return NnxOptimizer(obj)
-        if nnx is not None and isinstance(obj, nnx.Module):
-            from .nnx import NnxModule
-            return NnxModule(obj)
-        eqx = sys.modules.get("equinox")
-        if eqx is not None and isinstance(obj, eqx.Module):
-            from .equinox import EqxModule
-            return EqxModule(obj)
-        return None
-
-
-def _refuse_containers(obj: Any) -> None:
-    """`TypeError` saying what to pass instead, for flax containers that are no model or
-    optimizer of their own: a linen `TrainState` (both at once) and a bare `nnx.State`
-    (which says nothing of which variables are trainable)."""
-    train_state = sys.modules.get("flax.training.train_state")
-    if train_state is not None and isinstance(obj, train_state.TrainState):
-        raise TypeError(
-            "a flax TrainState holds the model's params and the optimizer's state together: pass "
-            "trainrec.adapters.jax.JaxModule(state.params) as the model and JaxOptimizer(state.tx, "
-            "state.opt_state) as the optimizer (record state.step in your own @trainrec.record state), "
-            "and after a restore state.replace(params=model.params, opt_state=optimizer.opt_state)")
-    statelib = sys.modules.get("flax.nnx.statelib")
-    if statelib is not None and isinstance(obj, statelib.State):
-        raise TypeError(
-            "a bare nnx.State says nothing of which variables are trainable: pass the nnx.Module "
-            "(or nnx.Optimizer) it came from, which trainrec binds as it is, or hold the state in "
-            "trainrec.adapters.jax.JaxModule(state), where every leaf is trainable")
-
-
-ADAPTER = JaxAdapter()

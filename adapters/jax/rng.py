@@ -121,7 +121,7 @@ def _rngs_type() -> Any:
 def _rngs_leaves(rngs: Any) -> tuple[dict[str, Any], Any, Any]:
     from flax import nnx
 
-    from .bindings import flatten
+    from .paths import flatten
 
     state = nnx.state(rngs)
     leaves, treedef = flatten(state)
