@@ -163,17 +163,9 @@ class JaxBackend:
 
 
 _BACKEND = JaxBackend()
-
-
 _ARRAY_TYPES: set[type] = set()  # concrete array types seen (tracers never enter)
-
-
 _GRAD_DTYPES = frozenset(np.dtype(d) for d in ("float64", "float32", "float16", jnp.bfloat16))
-
-
 TRACES = [0]  # how many times `_add_many` was traced (compiled): tests count them
-
-
 _OWN_DISPATCH = 1 << 18  # elements from which a leaf is added in a dispatch of its own
 
 

@@ -115,13 +115,8 @@ from .dcp_state import (
     write_model,
 )
 from .dcp_unpickle import _Planner
-from .distributed import (
-    _Commit,
-    _rank_world,
-    agree,
-    meet,
-    timeout_seconds,
-)
+from .distributed_collectives import _rank_world, agree, meet, timeout_seconds
+from .distributed_commit import _Commit
 from .identity import take_live_hyperparameters
 from .wrappers import is_dtensor, named_parameters
 
@@ -567,9 +562,6 @@ def _copy(tree: Any) -> Any:
     if isinstance(tree, list):
         return [_copy(v) for v in tree]
     return tree
-
-
-# -- checksums and safe reading ------------------------------------------------------------
 
 
 def _refused_elsewhere(error: BaseException) -> tuple[int, BaseException] | None:

@@ -24,27 +24,14 @@ from trainrec.adapter_kit import (
 
 from .dcp_checksum import _check_checksums
 from .dcp_metadata import check_chunks, open_regular, read_metadata
-from .distributed import (
-    _safe_name,
-    read_manifest,
-)
+from .distributed_manifest import _safe_name, read_manifest
 
 FORMAT = "trainrec.dcp"
-
-
 VERSION = (3, 0)  # 2.0: every shard file's size and CRC-32 in the manifest; 3.0: the
-
-
 # .metadata's size and CRC-32 and the optimizer's class too
 MANIFEST = "manifest.json"
-
-
 DCP_DIR = "dcp"
-
-
 _PART = "trainrec.dcp.part"
-
-
 _META = "trainrec"  # the DCP entry that repeats the manifest's facts
 
 

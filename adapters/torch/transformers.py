@@ -86,15 +86,9 @@ from trainrec import (
     RecordMismatchError,
 )
 
-from .distributed import (
-    _broadcast,
-    _Commit,
-    _part_name,
-    _rank_world,
-    _read_part,
-    agree,
-    read_manifest,
-)
+from .distributed_collectives import _broadcast, _rank_world, agree
+from .distributed_commit import _Commit
+from .distributed_manifest import _part_name, _read_part, read_manifest
 from .pending import Pending, pack, unpack
 from .rng import TorchRngRecord
 
