@@ -348,5 +348,3 @@ class JaxLrScheduler:
 
     def load_record(self, record: Any, *, allow_changes: frozenset[str] = frozenset()) -> None:
         self.count = self._checked(record, allow_changes, warn=False)
-
-

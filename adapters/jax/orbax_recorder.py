@@ -391,5 +391,3 @@ def _read_doc(path: Path, source: str) -> dict[str, Any]:
         raise CorruptRecordError("the JSON item's checksum does not match: it was edited or "
                                  "damaged after the save", source=source, key=MARKER)
     return doc
-
-

@@ -570,5 +570,3 @@ def _refused_elsewhere(error: BaseException) -> tuple[int, BaseException] | None
     for rank, wrapped in sorted((failures or {}).items()):
         return rank, (wrapped[0] if isinstance(wrapped, tuple) else wrapped)
     return None
-
-

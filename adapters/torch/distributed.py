@@ -265,5 +265,3 @@ def read_distributed(path: Path, mmap: bool = False) -> tuple[Header, Item]:
     world = _read_manifest(Path(path))["world_size"]
     views = [recorder.read(path, mmap=mmap, rank=r) for r in range(world)]
     return dataclasses.replace(views[0][0], format=FORMAT, version=VERSION), views[0][1]
-
-

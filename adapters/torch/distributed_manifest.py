@@ -171,4 +171,3 @@ def _expect_part(item: dict[str, Item], fields: dict[str, Item], file: Path) -> 
             raise CorruptRecordError(
                 f"{key} is {item.get(key)!r}, the manifest says {want!r} (a part of another "
                 "save, or of another rank)", source=str(file), key=key)
-

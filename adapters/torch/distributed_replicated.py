@@ -122,4 +122,3 @@ def _set(tree: Item, at: Path_, value: Item, whole: Path_, source: Path) -> Item
         return [*tree[:head], _set(tree[head], rest, value, whole, source), *tree[head + 1:]]
     raise CorruptRecordError(f"an override's path {list(whole)!r} is not in the replicated state",
                              source=str(source))
-
