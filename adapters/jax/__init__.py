@@ -18,6 +18,14 @@ shard by shard (`placement.py`).
 
 Importing this package imports no JAX: each name is loaded on first use (so
 `trainrec.adapters.jax.neutral`, the conversion form, works without JAX installed).
+
+The bindings' modules in layers, each importing only those before it (tests/test_adapter_layers.py
+fails on an import circle): `paths` (ParamIds), `placement`, `identity`, `neutral` ->
+`rng` -> `backend` (`JaxBackend`, `accumulate_tree`) -> `trees` (leaves <-> record
+items) -> `bindings` (`JaxModule`, `JaxOptimizer`, `JaxLrScheduler`) -> `_arrays` ->
+`nnx`, `equinox` -> `adapter` (`ADAPTER`, which finds the native models) -> `grads`
+(`grads_from`, `to_tree`, which take any module the adapter binds) -> `restore`. The
+recorders (`recorder`, `orbax_*`) import at most `placement`; `demo` stands on top.
 """
 
 from __future__ import annotations

@@ -12,19 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainrec import (
-    DType,
-    FloatDType,
-    TensorData,
-)
+from trainrec import DType, FloatDType, TensorData
 
 from .paths import key_path
-from .placement import (
-    capture_tensor,
-    host_copy,
-    place_tensor,
-    start_host_copy,
-)
+from .placement import capture_tensor, host_copy, place_tensor, start_host_copy
 from .rng import is_typed_key
 
 

@@ -1,4 +1,5 @@
-"""JAX bindings: `JaxBackend`, and holders for immutable JAX state.
+"""JAX bindings: holders for immutable JAX state (the backend is `backend.py`'s
+`JaxBackend`, re-exported here).
 
 JAX values are immutable, so the protocol objects are small holders whose fields the
 training loop reassigns: `JaxModule(params)` (`.params`), `JaxOptimizer(tx, opt_state)`
@@ -22,10 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainrec import (
-    RecordMismatchError,
-    StateRecord,
-)
+from trainrec import RecordMismatchError, StateRecord
 from trainrec.adapter_kit import (
     Change,
     Item,
@@ -47,11 +45,7 @@ from .identity import (
 )
 from .neutral import TRANSFORMS_KEY
 from .paths import flatten, key_path
-from .placement import (
-    DeletedArrayError,
-    abstract_error,
-    is_abstract,
-)
+from .placement import DeletedArrayError, abstract_error, is_abstract
 from .trees import _check_tree, _host, _placements, _rebuild
 
 __all__ = ["JaxBackend", "JaxModule", "JaxOptimizer", "JaxLrScheduler", "accumulate_tree", "key_path",

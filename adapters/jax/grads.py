@@ -11,9 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from trainrec import (
-    GradientsParams,
-)
+from trainrec import GradientsParams
 
 from .adapter import ADAPTER
 from .bindings import JaxModule

@@ -18,10 +18,7 @@ from typing import Any
 import numpy as np
 
 from trainrec import CorruptRecordError, FileMissingError, RecorderError
-from trainrec.adapter_kit import (
-    kind_of,
-    read_json,
-)
+from trainrec.adapter_kit import kind_of, read_json
 
 from .orbax_json import _Row
 

@@ -13,14 +13,7 @@ import struct
 from typing import Any
 
 from trainrec import CorruptRecordError, TensorData
-from trainrec.adapter_kit import (
-    TENSOR_KEY,
-    DType,
-    Item,
-    check_item,
-    crc32,
-    map_leaves,
-)
+from trainrec.adapter_kit import TENSOR_KEY, DType, Item, check_item, crc32, map_leaves
 
 
 def _encode(item: Item) -> Any:

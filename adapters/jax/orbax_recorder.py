@@ -41,6 +41,12 @@ Every failure is a `RecorderError` naming the checkpoint.
 A save over an existing checkpoint writes the new one next to it and exchanges the two
 atomically (Linux `renameat2(RENAME_EXCHANGE)`), so a save that fails or is killed at any
 point leaves the old checkpoint as it was.
+
+This module is the recorder, `read_orbax` and the bounded read of the JSON item (beside
+`MAX_JSON_BYTES`, which a save and a load both hold to); the rest is one idea a module:
+`orbax_json` (the JSON item encoded and decoded, its CRC, its tensor table),
+`orbax_files` (the checkpoint directory on disk, and the atomic exchange of a save over
+an old one) and `orbax_shards` (tensors captured across processes, shard by shard).
 """
 
 from __future__ import annotations

@@ -12,16 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from trainrec import (
-    DType,
-    RecordMismatchError,
-    TensorData,
-)
-from trainrec.adapter_kit import (
-    Item,
-    check_tensor_map,
-    kind_mismatches,
-)
+from trainrec import DType, RecordMismatchError, TensorData
+from trainrec.adapter_kit import Item, check_tensor_map, kind_mismatches
 
 from .backend import _BACKEND
 from .placement import (

@@ -43,6 +43,14 @@ on a process group of its own (the group DCP itself asks for its `async_save`).
 `set_requires_gradient_sync(False)` keeps the micro-steps' gradients unsharded inside FSDP
 (`FSDPParam`'s unsharded gradient), which no public API reads or writes: a save then is
 refused, saying how to accumulate instead.
+
+This module is the recorder itself (`DCPRecorder.save` / `load` and the rollback); each
+thing it is built from is a module of its own beside it: `dcp_layout` (the directory's
+names, manifest and parts; `read_dcp`, re-exported here), `dcp_checks` (the live objects
+and what DCP read, checked against each other), `dcp_checksum` (the CRC-32 of every entry),
+`dcp_reader` (the two-pass reader), `dcp_zip` (the in-place read of a tensor entry),
+`dcp_unpickle` (the restricted unpicklers), `dcp_metadata` (DCP's `.metadata`, bounded)
+and `dcp_state` (the state dicts and the backup a failed read is rolled back from).
 """
 
 from __future__ import annotations
@@ -71,12 +79,7 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import (
-    expect_kind,
-    for_component,
-    parse_changes,
-    path_arg,
-)
+from trainrec.adapter_kit import expect_kind, for_component, parse_changes, path_arg
 
 from .bindings import TorchLrScheduler, TorchOptimizer
 from .dcp_checks import (

@@ -14,23 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainrec import (
-    CorruptRecordError,
-    RecorderError,
-    RecordMismatchError,
-)
-from trainrec.adapter_kit import (
-    Item,
-    field_changes,
-    kind_mismatches,
-    settle,
-)
+from trainrec import CorruptRecordError, RecorderError, RecordMismatchError
+from trainrec.adapter_kit import Item, field_changes, kind_mismatches, settle
 
 from .bindings import encode
-from .dcp_layout import (
-    _META,
-    MANIFEST,
-)
+from .dcp_layout import _META, MANIFEST
 from .identity import hyperparameter_fields
 from .wrappers import is_dtensor, named_parameters
 

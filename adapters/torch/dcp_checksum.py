@@ -12,14 +12,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from trainrec import (
-    ChecksumError,
-    CorruptRecordError,
-    RecorderError,
-)
-from trainrec.adapter_kit import (
-    crc32,
-)
+from trainrec import ChecksumError, CorruptRecordError, RecorderError
+from trainrec.adapter_kit import crc32
 
 _CHUNK = 8 << 20
 

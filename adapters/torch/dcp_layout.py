@@ -14,13 +14,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import trainrec
-from trainrec import (
-    CorruptRecordError,
-)
-from trainrec.adapter_kit import (
-    Header,
-    Item,
-)
+from trainrec import CorruptRecordError
+from trainrec.adapter_kit import Header, Item
 
 from .dcp_checksum import _check_checksums
 from .dcp_metadata import check_chunks, open_regular, read_metadata

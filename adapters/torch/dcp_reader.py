@@ -16,12 +16,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .dcp_checksum import _check_checksums
-from .dcp_layout import (
-    DCP_DIR,
-)
-from .dcp_state import (
-    Backup,
-)
+from .dcp_layout import DCP_DIR
+from .dcp_state import Backup
 from .dcp_unpickle import _plain_load, _Planner
 from .dcp_zip import _read_in_place
 

@@ -19,9 +19,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from trainrec import (
-    CorruptRecordError,
-)
+from trainrec import CorruptRecordError
 
 _LEGACY_STORAGES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,

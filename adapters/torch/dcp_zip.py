@@ -14,9 +14,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from torch.distributed.checkpoint.utils import _create_file_view
 
-from trainrec import (
-    CorruptRecordError,
-)
+from trainrec import CorruptRecordError
 
 from .dcp_unpickle import _Layout, _LayoutUnpickler
 

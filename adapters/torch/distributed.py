@@ -37,6 +37,12 @@ ranks. `read(path, rank=r)` reads rank r's view in any process (inspection, tool
 
 A recorder of `torch.distributed.checkpoint` directories can reuse the same commit
 (`_Commit`): DCP writes its files into the temp directory, the commit renames it.
+
+This module is the recorder itself; what it is built from is beside it, one idea a
+module: `distributed_replicated` (what is written once and what per rank),
+`distributed_commit` (the all-or-nothing commit), `distributed_collectives` (the ranks'
+outcomes gathered, `meet`) and `distributed_manifest` (the manifest and parts, read
+bounded and checked).
 """
 
 from __future__ import annotations
@@ -56,12 +62,7 @@ from trainrec import (
 )
 from trainrec.adapter_kit import Header, Item, RecorderBase, path_arg
 
-from .distributed_collectives import (
-    _rank_world,
-    agree,
-    meet,
-    timeout_seconds,
-)
+from .distributed_collectives import _rank_world, agree, meet, timeout_seconds
 from .distributed_commit import _Commit
 from .distributed_manifest import (
     FORMAT,

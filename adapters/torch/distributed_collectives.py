@@ -15,9 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainrec import (
-    RecorderError,
-)
+from trainrec import RecorderError
 
 
 def _rank_world(group: Any) -> tuple[int, int]:

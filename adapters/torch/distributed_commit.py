@@ -17,21 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainrec import (
-    FileMissingError,
-    RecorderError,
-)
+from trainrec import FileMissingError, RecorderError
 from trainrec.adapter_kit import atomic_write
 
-from .distributed_collectives import (
-    _NOT_COMMITTED,
-    _all_gather,
-    _broadcast,
-    _collective,
-)
-from .distributed_manifest import (
-    MANIFEST,
-)
+from .distributed_collectives import _NOT_COMMITTED, _all_gather, _broadcast, _collective
+from .distributed_manifest import MANIFEST
 
 if sys.platform != "win32":
     import fcntl

@@ -14,12 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import trainrec
-from trainrec import (
-    CorruptRecordError,
-    FileMissingError,
-    RecorderError,
-    UnsupportedVersionError,
-)
+from trainrec import CorruptRecordError, FileMissingError, RecorderError, UnsupportedVersionError
 from trainrec.adapter_kit import Header, Item
 
 FORMAT = "trainrec.distributed"

@@ -14,10 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from trainrec import (
-    CorruptRecordError,
-    TensorData,
-)
+from trainrec import CorruptRecordError, TensorData
 from trainrec.adapter_kit import Item
 
 _TRAINING = "TrainingRecord"

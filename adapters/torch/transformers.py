@@ -49,6 +49,10 @@ It reaches into Trainer's internals (spec/PROTOCOLS.md, "Hugging Face Trainer", 
 them), which is why the extra `trainrec[transformers]` bounds the version
 (`transformers>=5.12,<6`: 5.12 split the training loop into the methods used here).
 Importing this module imports transformers.
+
+The module is one idea, `ExactResume` (one Trainer callback and the Trainer methods it
+wraps, which share its state), and so longer than most; the checkpoints it finds in
+`output_dir` are `trainer_checkpoints.py`'s, what it refuses `trainer_refusals.py`'s.
 """
 
 from __future__ import annotations

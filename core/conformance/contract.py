@@ -11,9 +11,7 @@ from typing import Any
 
 from ..errors import RecorderError
 from ..items import compare_items
-from ..precision import (
-    NativePrecisionSettings,
-)
+from ..precision import NativePrecisionSettings
 from ..recorders import NamedMpkBytesRecorder
 
 _NATIVE = NativePrecisionSettings()

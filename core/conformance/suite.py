@@ -10,6 +10,11 @@ Every test checks one contract of spec/PROTOCOLS.md, spec/ADAPTERS.md or the see
 documents. Its failure message starts with `contract:`, then the component and key that
 broke it (`backend.to_host`, `optimizer.check_record`, `model.layers.0.weight`), then the
 sentence.
+
+The module is one idea, the test class an adapter author subclasses (its tests share the
+class's fixtures and helpers, so they stay together, which makes it longer than most);
+how a failure is worded is `contract.py`'s, where the suite finds and edits parameters in
+a record `record_edits.py`'s, the gradient tests' diagnosis `diagnosis.py`'s.
 """
 
 from __future__ import annotations
