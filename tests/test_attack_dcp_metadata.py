@@ -360,7 +360,7 @@ def test_permission_and_read_only_errors_of_a_save_are_recorder_errors(tmp_path,
     injected where the file system would raise them); the previous checkpoint is kept."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainrec.adapters.torch import distributed
+    from trainrec.adapters.torch import distributed_commit
 
     model, opt = _build()
     _mid_window(model, opt)
@@ -375,7 +375,7 @@ def test_permission_and_read_only_errors_of_a_save_are_recorder_errors(tmp_path,
     elif where == "dcp":
         _fail_on(monkeypatch, FileSystemWriter, "write_data", error)
     else:
-        _fail_on(monkeypatch, distributed, "atomic_write", error)
+        _fail_on(monkeypatch, distributed_commit, "atomic_write", error)
     with pytest.raises(RecorderError, match=error.strerror):
         trt.DCPRecorder().save(tmp_path / "step-2", model, opt)
     if where != "dcp":

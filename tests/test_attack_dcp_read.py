@@ -23,7 +23,8 @@ from test_torch_dcp_read import _Planner, _saved  # noqa: E402 - the stub planne
 
 import trainrec  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
-import trainrec.adapters.torch.dcp as dcp_mod  # noqa: E402
+import trainrec.adapters.torch.dcp_reader as dcp_reader  # noqa: E402
+import trainrec.adapters.torch.dcp_zip as dcp_zip  # noqa: E402
 from trainrec import CorruptRecordError  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def _read(tmp_path, payload: bytes, target) -> bool:
                            dest_index=SimpleNamespace(fqn="x"))
     planner = _Planner(target)
     with open(path, "rb") as f:
-        done = dcp_mod._read_in_place(f, where, item, planner)
+        done = dcp_zip._read_in_place(f, where, item, planner)
     assert type(done) is bool and len(planner.committed) == int(done)
     return done
 
@@ -357,8 +358,8 @@ def test_a_refused_load_reads_nothing_in_place_and_changes_nothing(tmp_path, mon
     before = [t.clone() for t in into.state_dict().values()]
     before += [v.clone() for s in opt2.state.values() for v in s.values()]
     calls = []
-    real = dcp_mod._read_in_place
-    monkeypatch.setattr(dcp_mod, "_read_in_place", lambda *a: calls.append(a) or real(*a))
+    real = dcp_reader._read_in_place
+    monkeypatch.setattr(dcp_reader, "_read_in_place", lambda *a: calls.append(a) or real(*a))
 
     @trainrec.record
     class _Other:

@@ -20,6 +20,7 @@ from torch import nn  # noqa: E402
 import trainrec  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
 import trainrec.adapters.torch.dcp as dcp_mod  # noqa: E402
+import trainrec.adapters.torch.dcp_reader as dcp_reader  # noqa: E402
 from trainrec import RecorderError, RecordMismatchError  # noqa: E402
 
 
@@ -198,8 +199,8 @@ def test_a_failure_after_the_checks_rolls_every_live_object_back(saved, monkeypa
     model(torch.randn(2, 4)).sum().backward()  # pending
     before = _snapshot(model, opt, sched)
     calls = []
-    real = dcp_mod._read_in_place
-    monkeypatch.setattr(dcp_mod, "_read_in_place", lambda *a: calls.append(1) or real(*a))
+    real = dcp_reader._read_in_place
+    monkeypatch.setattr(dcp_reader, "_read_in_place", lambda *a: calls.append(1) or real(*a))
     if where in ("dcp's read", "verify=False"):
         _fail_dcp_read(monkeypatch)
     elif where == "optimizer":

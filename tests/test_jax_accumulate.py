@@ -22,7 +22,7 @@ from trainrec import (  # noqa: E402
     NativePrecisionSettings,
     TrainingRecord,
 )
-from trainrec.adapters.jax import bindings  # noqa: E402
+from trainrec.adapters.jax import backend, bindings  # noqa: E402
 
 
 @trainrec.record
@@ -172,22 +172,22 @@ def test_snapshots_and_the_callers_gradients_are_never_aliased():
 def test_the_jit_cache_does_not_grow_for_a_fixed_structure():
     module = trj.JaxModule(tree(0, (jnp.float16, jnp.float32, jnp.bfloat16)))
     acc = GradientsAccumulator()
-    start = bindings.TRACES[0]
+    start = backend.TRACES[0]
     for i in range(12):
         acc.accumulate(module, trj.grads_from(tree(i, (jnp.float16, jnp.float32, jnp.bfloat16)), module))
-    assert bindings.TRACES[0] - start <= 2  # the first call (nothing pending) and the rest
+    assert backend.TRACES[0] - start <= 2  # the first call (nothing pending) and the rest
     for i in range(12):
         acc.accumulate_with_dtype(module, trj.grads_from(tree(i), module), FloatDType.F32)
-    assert bindings.TRACES[0] - start <= 4
+    assert backend.TRACES[0] - start <= 4
     module.params = tree(5)  # new arrays, same structure: no new names, no new compilations
     for i in range(5):
         acc.accumulate(module, trj.grads_from(tree(i), module))
-    assert bindings.TRACES[0] - start <= 4
+    assert backend.TRACES[0] - start <= 4
     big, acc = trj.JaxModule(tree(0, big=True)), GradientsAccumulator()
-    start = bindings.TRACES[0]
+    start = backend.TRACES[0]
     for i in range(6):
         acc.accumulate(big, trj.grads_from(tree(i, big=True), big))
-    assert bindings.TRACES[0] - start <= 4  # the small leaves' program and the big leaf's, each twice
+    assert backend.TRACES[0] - start <= 4  # the small leaves' program and the big leaf's, each twice
 
 
 def test_adopt_validates_everything_and_changes_nothing_on_error():

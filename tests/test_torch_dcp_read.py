@@ -16,7 +16,8 @@ pytest.importorskip("torch.distributed.checkpoint")
 
 import trainrec  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
-import trainrec.adapters.torch.dcp as dcp_mod  # noqa: E402
+import trainrec.adapters.torch.dcp_reader as dcp_reader  # noqa: E402
+import trainrec.adapters.torch.dcp_zip as dcp_zip  # noqa: E402
 from trainrec import CorruptRecordError  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def _read(path, where, target, *, lengths=None, offsets=None):
                            dest_index=SimpleNamespace(fqn="x"))
     planner = _Planner(target)
     with open(path, "rb") as f:
-        done = dcp_mod._read_in_place(f, where, item, planner)
+        done = dcp_zip._read_in_place(f, where, item, planner)
     assert len(planner.committed) == int(done)  # DCP is told of what was read, only
     assert all(t.data_ptr() == target.data_ptr() for t in planner.committed)
     return done
@@ -174,7 +175,7 @@ def test_an_entry_cut_short_inside_its_bytes_is_a_corrupt_record():
     item = SimpleNamespace(storage_offsets=(0,), lengths=(1000,), dest_index=SimpleNamespace(fqn="w"))
     cut = _Cut(payload, start + 100, start + 4000)
     with pytest.raises(CorruptRecordError, match="ends 3900 bytes before the end of the tensor entry 'w'"):
-        dcp_mod._read_in_place(cut, where, item, _Planner(torch.zeros(1000)))
+        dcp_zip._read_in_place(cut, where, item, _Planner(torch.zeros(1000)))
 
 
 @trainrec.record
@@ -207,13 +208,13 @@ def test_a_dcp_recorder_load_reads_most_entries_in_place_and_the_rest_dcp_s_way(
     path = trt.DCPRecorder().save(tmp_path / "ck", model, opt, None, _Micro(3))
     into, opt2 = build(1)
     outcomes = []
-    real = dcp_mod._read_in_place
+    real = dcp_reader._read_in_place
 
     def spy(*args):
         outcomes.append(real(*args))
         return outcomes[-1]
 
-    monkeypatch.setattr(dcp_mod, "_read_in_place", spy)
+    monkeypatch.setattr(dcp_reader, "_read_in_place", spy)
     back = trt.DCPRecorder().load(path, into, opt2, state_type=_Micro)
     assert back.state.micro == 3
     assert outcomes.count(True) >= 10 and outcomes.count(False) >= 1

@@ -234,9 +234,9 @@ def _meet_in_threads(monkeypatch, ranks, world: int, store=None, timeout: float 
     import threading
     import uuid
 
-    from trainrec.adapters.torch import distributed
+    from trainrec.adapters.torch import distributed_collectives
 
-    monkeypatch.setattr(distributed, "_rank_world", lambda g: (g.rank, g.world))
+    monkeypatch.setattr(distributed_collectives, "_rank_world", lambda g: (g.rank, g.world))
     store = dist.HashStore() if store is None else store
     tag = uuid.uuid4().hex
     got: dict = {}
@@ -245,7 +245,7 @@ def _meet_in_threads(monkeypatch, ranks, world: int, store=None, timeout: float 
     def one(rank: int) -> None:
         start.wait(10)
         try:
-            distributed.meet(_FakeRank(store, rank, world, tag), timeout, "DCPRecorder.save", Path("ck"))
+            distributed_collectives.meet(_FakeRank(store, rank, world, tag), timeout, "DCPRecorder.save", Path("ck"))
             got[rank] = None
         except RecorderError as e:
             got[rank] = e
@@ -401,13 +401,13 @@ def test_a_failed_part_commits_nothing_and_leaves_no_temp_directory(tmp_path):
 
 
 def test_a_commit_that_fails_leaves_neither_the_checkpoint_nor_its_temp_directory(tmp_path, monkeypatch):
-    from trainrec.adapters.torch import distributed
+    from trainrec.adapters.torch import distributed_commit
 
     def refuse(src, dst):
         raise PermissionError(13, "Permission denied", str(dst))
 
     record = TrainingRecord.capture(*_training())
-    monkeypatch.setattr(distributed.os, "rename", refuse)
+    monkeypatch.setattr(distributed_commit.os, "rename", refuse)
     with pytest.raises(RecorderError, match="rank 0 could not commit: PermissionError.*nothing was committed"):
         record.save(trt.DistributedRecorder(), tmp_path / "step-1")
     assert os.listdir(tmp_path) == []

@@ -18,6 +18,14 @@ shard by shard (`placement.py`).
 
 Importing this package imports no JAX: each name is loaded on first use (so
 `trainrec.adapters.jax.neutral`, the conversion form, works without JAX installed).
+
+The bindings' modules in layers, each importing only those before it (tests/test_adapter_layers.py
+fails on an import circle): `paths` (ParamIds), `placement`, `identity`, `neutral` ->
+`rng` -> `backend` (`JaxBackend`, `accumulate_tree`) -> `trees` (leaves <-> record
+items) -> `bindings` (`JaxModule`, `JaxOptimizer`, `JaxLrScheduler`) -> `_arrays` ->
+`nnx`, `equinox` -> `adapter` (`ADAPTER`, which finds the native models) -> `grads`
+(`grads_from`, `to_tree`, which take any module the adapter binds) -> `restore`. The
+recorders (`recorder`, `orbax_*`) import at most `placement`; `demo` stands on top.
 """
 
 from __future__ import annotations
@@ -26,18 +34,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .bindings import (
-        ADAPTER,
-        JaxAdapter,
-        JaxBackend,
-        JaxLrScheduler,
-        JaxModule,
-        JaxOptimizer,
-        accumulate_tree,
-        grads_from,
-        to_tree,
-    )
+    from .adapter import ADAPTER, JaxAdapter
+    from .backend import JaxBackend, accumulate_tree
+    from .bindings import JaxLrScheduler, JaxModule, JaxOptimizer
     from .equinox import EqxModule
+    from .grads import grads_from, to_tree
     from .nnx import NnxModule, NnxOptimizer
     from .orbax_recorder import OrbaxRecorder, shardings_of
     from .recorder import FlaxMsgpackFileRecorder
@@ -70,6 +71,8 @@ _HOME.update(NnxModule="nnx", NnxOptimizer="nnx", EqxModule="equinox")
 _HOME["JaxRngRecord"] = "rng"
 _HOME["restore_tree"] = "restore"
 _HOME["OrbaxRecorder"] = _HOME["shardings_of"] = "orbax_recorder"
+_HOME.update(ADAPTER="adapter", JaxAdapter="adapter", JaxBackend="backend",
+             accumulate_tree="backend", grads_from="grads", to_tree="grads")
 
 
 def __getattr__(name: str) -> Any:

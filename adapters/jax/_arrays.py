@@ -24,7 +24,7 @@ import numpy as np
 from trainrec import RecorderError, RecordMismatchError, StateRecord, TensorData
 from trainrec.adapter_kit import Item, check_tensor_map, expect_kind
 
-from .bindings import _BACKEND, _expected
+from .backend import _BACKEND
 from .placement import (
     DeletedArrayError,
     abstract_error,
@@ -36,6 +36,7 @@ from .placement import (
     sharding_of,
 )
 from .rng import is_typed_key, key_from_item, key_item, key_problems
+from .trees import _expected
 
 LEGACY_RNG_IMPL_KEY = "#rng_impl"  # the earlier form: {ParamId: implementation name}
 

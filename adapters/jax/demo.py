@@ -23,7 +23,8 @@ import trainrec
 from trainrec import DType, GradientsParams, Recorder
 from trainrec.adapter_kit import Parts, Workload
 
-from .bindings import JaxLrScheduler, JaxModule, JaxOptimizer, grads_from, to_tree
+from .bindings import JaxLrScheduler, JaxModule, JaxOptimizer
+from .grads import grads_from, to_tree
 from .recorder import FlaxMsgpackFileRecorder
 
 __all__ = ["JaxDemoState", "JaxWorkload", "WORKLOADS", "WORKLOAD"]

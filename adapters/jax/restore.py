@@ -11,7 +11,8 @@ from typing import Any
 
 from trainrec import GradientsAccumulator, GradientsParamsRecord, RecordMismatchError, StateRecord
 
-from .bindings import JaxModule, JaxOptimizer, _as_module, to_tree
+from .bindings import JaxModule, JaxOptimizer
+from .grads import _as_module, to_tree
 
 __all__ = ["restore_tree"]
 

@@ -21,6 +21,7 @@ import numpy as np
 from trainrec import CorruptRecordError, RecordMismatchError, RngRecord, TensorData
 from trainrec.adapter_kit import Item, PrecisionSettings
 
+from .paths import flatten
 from .placement import host_copy, is_abstract, key_data_like, key_impl_name, place
 
 __all__ = ["JaxRngRecord", "is_typed_key", "key_item", "key_from_item", "key_problems"]
@@ -120,8 +121,6 @@ def _rngs_type() -> Any:
 
 def _rngs_leaves(rngs: Any) -> tuple[dict[str, Any], Any, Any]:
     from flax import nnx
-
-    from .bindings import flatten
 
     state = nnx.state(rngs)
     leaves, treedef = flatten(state)

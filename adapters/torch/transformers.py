@@ -49,6 +49,10 @@ It reaches into Trainer's internals (spec/PROTOCOLS.md, "Hugging Face Trainer", 
 them), which is why the extra `trainrec[transformers]` bounds the version
 (`transformers>=5.12,<6`: 5.12 split the training loop into the methods used here).
 Importing this module imports transformers.
+
+The module is one idea, `ExactResume` (one Trainer callback and the Trainer methods it
+wraps, which share its state), and so longer than most; the checkpoints it finds in
+`output_dir` are `trainer_checkpoints.py`'s, what it refuses `trainer_refusals.py`'s.
 """
 
 from __future__ import annotations
@@ -58,10 +62,9 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import signal
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -86,21 +89,16 @@ from trainrec import (
     RecordMismatchError,
 )
 
-from .distributed import (
-    _broadcast,
-    _Commit,
-    _part_name,
-    _rank_world,
-    _read_part,
-    agree,
-    read_manifest,
-)
+from .distributed_collectives import _broadcast, _rank_world, agree
+from .distributed_commit import _Commit
+from .distributed_manifest import _part_name, _read_part, read_manifest
 from .pending import Pending, pack, unpack
 from .rng import TorchRngRecord
+from .trainer_checkpoints import FORMAT, _free_name, _is_exact, checkpoints
+from .trainer_refusals import _batch, _length, _refuse_unsupported
 
 __all__ = ["ExactResume", "FORMAT", "checkpoints"]
 
-FORMAT = "trainrec.transformers"
 VERSION = (1, 0)
 _PART = "trainrec.transformers.part"
 _MODEL_DIR = "model"
@@ -110,8 +108,6 @@ _SUFFIX = ".mpk"
 _WRAPPED = ("train", "_load_from_checkpoint", "set_initial_training_values",
             "_init_training_state", "get_batch_samples", "training_step", "_load_rng_state",
             "_maybe_log_save_evaluate")
-_NAME = re.compile(r"exact-checkpoint-(\d+)-(\d+)(?:-(\d+))?")
-_STEP = re.compile(r"checkpoint-(\d+)")
 _NATIVE = NativePrecisionSettings()
 _SOURCE = "exact Trainer checkpoint (trainrec ExactResume)"
 # what must be the same to go on exactly: the manifest's name, TrainingArguments' name
@@ -146,24 +142,6 @@ class _Resume:
     rng_applied: bool = False
     window_served: bool = False
     window_left: int = 0
-
-
-def checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[tuple[int, int, int], Path]]:
-    """Every committed checkpoint in `output_dir`, oldest first, as ((global step,
-    micro-step within the window, tie-break), path): Trainer's `checkpoint-N` are (N, 0, -1),
-    exact ones (N, k, r). What `train(resume_from_checkpoint=True)` picks the last of."""
-    out: list[tuple[tuple[int, int, int], Path]] = []
-    root = Path(output_dir)
-    for entry in os.listdir(root):
-        exact = _NAME.fullmatch(entry)
-        step = _STEP.fullmatch(entry)
-        if not (root / entry).is_dir():
-            continue
-        if exact:
-            out.append(((int(exact[1]), int(exact[2]), int(exact[3] or 0)), root / entry))
-        elif step:
-            out.append(((int(step[1]), 0, -1), root / entry))
-    return sorted(out)
 
 
 class ExactResume(TrainerCallback):
@@ -630,74 +608,3 @@ class ExactResume(TrainerCallback):
                     "globalstep_last_logged": int(trainer._globalstep_last_logged),
                     "rank": rank, "world_size": world}
         return pack(trainer.model, position, counters, rng=TorchRngRecord.capture())
-
-
-def _is_exact(path: Path) -> bool:
-    """Whether `path` is (or, by its name, claims to be) an exact checkpoint: its manifest
-    says so. One whose manifest is damaged is read, and refused with the reason, as one."""
-    if _NAME.fullmatch(path.name):
-        return True
-    try:
-        doc = json.loads((path / "manifest.json").read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and doc.get("format") == FORMAT
-
-
-def _free_name(root: Path, step: int, micro: int) -> str:
-    base = f"exact-checkpoint-{step}-{micro}"
-    if not os.path.lexists(root / base):
-        return base
-    n = 1
-    while os.path.lexists(root / f"{base}-{n}"):
-        n += 1
-    return f"{base}-{n}"
-
-
-def _length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
-
-
-def _batch(batch: Any, index: int) -> dict[str, torch.Tensor]:
-    if not isinstance(batch, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in batch.items()):
-        raise TypeError(
-            f"batch {index} of the window is not a mapping of str to tensors "
-            f"({type(batch).__name__}): ExactResume saves the rest of a window, fetched "
-            "ahead, as tensors; use a data collator that returns tensors only")
-    return {k: v.detach() for k, v in batch.items()}
-
-
-def _refuse_unsupported(trainer: Any) -> None:
-    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
-    from transformers.utils import is_sagemaker_mp_enabled
-
-    args = trainer.args
-    jit = getattr(args, "enable_jit_checkpoint", False) or any(
-        isinstance(cb, JITCheckpointCallback) for cb in trainer.callback_handler.callbacks)
-    refusals = [
-        (jit, "Trainer's enable_jit_checkpoint: ExactResume refuses to run beside it (its SIGTERM "
-              "handler saves into checkpoint-<global_step>, over the complete step checkpoint, "
-              "without the pending gradients); set TrainingArguments(enable_jit_checkpoint=False), "
-              "ExactResume saves on SIGTERM itself"),
-        (trainer.is_deepspeed_enabled, "DeepSpeed: not supported (DDP, one process per device, is)"),
-        (trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False),
-         "FSDP: not supported (DDP, one process per device, is)"),
-        (args.n_gpu > 1, f"DataParallel over {args.n_gpu} GPUs: not supported; run one process "
-                         "per GPU (torchrun), which is DDP"),
-        (trainer.is_model_parallel or getattr(trainer, "is_distributed_loading_by_transformers",
-                                              False), "a model split over devices: not supported"),
-        (is_sagemaker_mp_enabled(), "SageMaker model parallelism: not supported"),
-        (args.auto_find_batch_size, "auto_find_batch_size: it changes the batch size on the fly, "
-                                    "which no saved data position survives; set it False"),
-        (args.ignore_data_skip, "ignore_data_skip: a resume would not skip the data already "
-                                "trained on; set it False"),
-        (trainer.train_dataset is not None and _length(trainer.train_dataset) is None,
-         "a train dataset without __len__ (an IterableDataset): not supported"),
-    ]
-    refused = [why for bad, why in refusals if bad]
-    if refused:
-        raise ValueError("ExactResume cannot make this Trainer exact: " + "; ".join(refused))

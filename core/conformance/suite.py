@@ -10,12 +10,16 @@ Every test checks one contract of spec/PROTOCOLS.md, spec/ADAPTERS.md or the see
 documents. Its failure message starts with `contract:`, then the component and key that
 broke it (`backend.to_host`, `optimizer.check_record`, `model.layers.0.weight`), then the
 sentence.
+
+The module is one idea, the test class an adapter author subclasses (its tests share the
+class's fixtures and helpers, so they stay together, which makes it longer than most);
+how a failure is worded is `contract.py`'s, where the suite finds and edits parameters in
+a record `record_edits.py`'s, the gradient tests' diagnosis `diagnosis.py`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,7 +31,7 @@ from ..accumulator import GradientsAccumulator
 from ..dtypes import DType, FloatDType
 from ..errors import LossyPrecisionError, RecorderError, RecordMismatchError
 from ..gradients import GradientsParams, GradientsParamsRecord
-from ..items import Item, compare_items, iter_tensors, map_leaves, map_tree, walk
+from ..items import compare_items
 from ..precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -42,7 +46,10 @@ from ..registry import adapt, adapt_module
 from ..tensor import TensorData
 from ..training import TrainingRecord
 from ..workload import Workload, recorders_for
+from .contract import _NATIVE, _broken, _differs, _expect, _rejects, _rng_note, _rng_paths, _where
+from .diagnosis import _first_divergence, _overwrites, _pattern, _same_arrays, _when, _write
 from .harness import Parts, continuation, midway, run, snapshot
+from .record_edits import _at, _copy, _edited, _located, _replace_first, _with_unknown_param
 from .vectors import check_vectors
 
 __all__ = ["AdapterConformance"]
@@ -50,7 +57,6 @@ __all__ = ["AdapterConformance"]
 SETTINGS = [FullPrecisionSettings(), HalfPrecisionSettings(), DoublePrecisionSettings(),
             NativePrecisionSettings()]
 CORE_RECORDERS = ["mpk", "gz", "bytes"]
-_NATIVE = NativePrecisionSettings()
 
 
 def _sample(dtype: DType) -> np.ndarray[Any, Any]:
@@ -60,81 +66,6 @@ def _sample(dtype: DType) -> np.ndarray[Any, Any]:
         vals % 2 == 1 if dtype is DType.BOOL else (vals / 2 if dtype.is_float else vals).astype(dtype.numpy)
     )
     return out
-
-
-def _broken(where: str, sentence: str) -> AssertionError:
-    return AssertionError(f"contract: {where}: {sentence}")
-
-
-def _expect(ok: bool, where: str, sentence: str) -> None:
-    if not ok:
-        raise _broken(where, sentence)
-
-
-def _rejects(call: Callable[[], Any], where: str, sentence: str,
-             error: type[Exception] = RecorderError) -> None:
-    """`call()` must raise `error`; anything else breaks the contract at `where`."""
-    try:
-        call()
-    except error:
-        return
-    except Exception as e:  # noqa: BLE001 - the contract is about the type
-        raise _broken(where, f"{sentence}; raised {type(e).__name__} instead: {e}") from e
-    raise _broken(where, f"{sentence}; it was accepted")
-
-
-_COMPONENTS = ("model", "optimizer", "scheduler", "grads", "state")
-
-
-def _where(path: str) -> str:
-    """A path in a TrainingRecord item as `component.key`."""
-    head, _, rest = path.partition(".")
-    if not head.isdigit() or int(head) >= len(_COMPONENTS):
-        return path
-    rest = rest.removeprefix("state.") if int(head) < 3 else rest  # component records: {kind, state}
-    return f"{_COMPONENTS[int(head)]}.{rest}" if rest else _COMPONENTS[int(head)]
-
-
-def _differs(expected: bytes, got: bytes) -> str:
-    """The keys where two TrainingRecord payloads differ, as `component.key`, and what an
-    RNG state among them means (`_rng_note`)."""
-    r = NamedMpkBytesRecorder(_NATIVE)
-    _, diff, paths = compare_items(r.load_item(expected), r.load_item(got))
-    if not paths:
-        return "the byte order"
-    return ", ".join(_where(p) for p in paths[:5]) + f" (max difference {diff})" + _rng_note(paths)
-
-
-# a caller-state key naming an RNG state (spec/ADAPTERS.md section 4: `rng: RngRecord`)
-_RNG_WORDS = ("rng", "random", "generator")
-
-
-def _rng_paths(paths: list[str]) -> list[str]:
-    """The paths (as `component.key`) among `paths` that are RNG states in the caller state."""
-    named = [_where(p) for p in paths]
-    return [w for w in named if w.startswith("state.") and any(x in w.lower() for x in _RNG_WORDS)]
-
-
-def _rng_note(paths: list[str]) -> str:
-    """What an RNG state among the differing `paths` says about the cause."""
-    rng = _rng_paths(paths)
-    if not rng:
-        return ""
-    only = "only " if len(rng) == len(paths) else ""
-    return (f"; {only}the caller state's RNG differs ({rng[0]}): the runs hold other RNG states, so "
-            "the cause is an RNG, not the components: build(seed) must seed every RNG the state "
-            "records, after_restore put each back, and a framework-global RNG be kept per run, since "
-            "the suite runs parts side by side in one process (spec/ADAPTERS.md section 4)")
-
-
-def _param_keyed(item: Item, ids: set[str]) -> dict[str, Item] | None:
-    """The first map in an optimizer record whose keys name parameters (ParamIds, or key
-    paths ending in one without its collection prefix)."""
-    tails = {i.split(".", 1)[1] for i in ids if "." in i}
-    for _, node, _ in walk(item):
-        if isinstance(node, dict) and any(k in ids or any(k.endswith("." + t) for t in tails) for k in node):
-            return node
-    return None
 
 
 def _save(recorder: Recorder, record: Any, tmp: Path) -> Any:
@@ -720,160 +651,3 @@ class AdapterConformance:
     def test_spec_vectors_load_bit_exactly(self) -> None:
         problems = check_vectors(core_only=True)
         _expect(not problems, "spec/vectors", "the golden files load bit-exactly: " + "; ".join(problems))
-
-
-def _copy(item: Item) -> Item:
-    """New maps and lists all the way down; leaves are shared."""
-    return map_tree(item, lambda _, node: node)  # type: ignore[no-any-return]
-
-
-def _replace_first(item: Item, found: Callable[[Item], bool],
-                   make: Callable[[Any], Item]) -> tuple[Item, str | None]:
-    """A copy of `item` whose first leaf (depth first) for which `found` holds is
-    `make(leaf)`, and that leaf's dotted key path (None when no leaf matched)."""
-    hit: list[str] = []
-
-    def swap(path: str, leaf: Item) -> Item:
-        if not hit and found(leaf):
-            hit.append(path)
-            return make(leaf)
-        return leaf
-
-    return map_leaves(item, swap), (hit[0] if hit else None)
-
-
-def _with_unknown_param(optimizer_state: Item, m: Any) -> bool:
-    """Adds state for an unknown parameter (`no.such.param`) beside an existing
-    parameter's; False when the record holds no per-parameter state (no tensor shaped like
-    a parameter). A record that holds such tensors, but in no map keyed by ParamId, breaks
-    the layout the suite reads (spec/ADAPTERS.md section 6)."""
-    known = set(m.param_ids())
-    keyed = _param_keyed(optimizer_state, known)
-    if keyed is None:
-        shapes = {tuple(s) for s in m.param_shapes().values() if int(np.prod(s)) > 1}
-        buffers = [p for p, t in iter_tensors(optimizer_state) if tuple(t.shape) in shapes]
-        _expect(not buffers, "optimizer.into_record",
-                "keys per-parameter state by ParamId: the suite looks for it in a map whose keys are "
-                "ParamIds (or key paths ending in one), anywhere in the record (spec/ADAPTERS.md "
-                f"section 6); the record holds tensors shaped like parameters ({', '.join(buffers[:3])}) "
-                "but no such map")
-        return False
-    key = next(k for k in keyed if k in known or any(k.endswith("." + i.split(".", 1)[-1]) for i in known))
-    tail = next((i.split(".", 1)[-1] for i in known if key != i and key.endswith("." + i.split(".", 1)[-1])), None)
-    keyed["no.such.param" if tail is None else key[: -len(tail)] + "no_such_param"] = keyed[key]
-    return True
-
-
-# -- where the suite finds parameters in a model record, and edits them ----------------------
-
-Key = str | int
-
-
-def _leaves(item: Item, keys: tuple[Key, ...] = ()) -> list[tuple[tuple[Key, ...], TensorData]]:
-    """Every tensor of `item` with its keys from the root, in record order."""
-    if isinstance(item, TensorData):
-        return [(keys, item)]
-    children = item.items() if isinstance(item, dict) else enumerate(item) if isinstance(item, list) else ()
-    return [found for k, v in children for found in _leaves(v, (*keys, k))]
-
-
-def _located(state: Item, m: Any) -> dict[str, tuple[Key, ...]]:
-    """Where each parameter of the module is in its record's state: the keys of the first
-    tensor of its shape whose dotted key path is its ParamId, else ends in `.ParamId`
-    (`layers.0.weight` at the top level, or under `tensors`, or nested as maps). The layout
-    the suite reads (spec/ADAPTERS.md section 6): a record with none of its parameters so
-    fails, naming it."""
-    shapes = {pid: tuple(s) for pid, s in m.param_shapes().items()}
-    leaves = [(".".join(map(str, keys)), keys, t) for keys, t in _leaves(state)]
-    found: dict[str, tuple[Key, ...]] = {}
-    for pid, shape in shapes.items():
-        for exact in (True, False):
-            hit = next((keys for dotted, keys, t in leaves if tuple(t.shape) == shape and (
-                dotted == pid if exact else dotted.endswith("." + pid))), None)
-            if hit is not None:
-                found[pid] = hit
-                break
-    missing = [pid for pid in shapes if pid not in found]
-    _expect(not missing, "model.into_record",
-            "holds each parameter as a tensor of its shape at a key path that is its ParamId or ends in "
-            "`.ParamId` (`w`, `tensors.w` or `params.dense.w` for `w`; spec/ADAPTERS.md section 6, the "
-            f"layout the suite damages records in); not found: {', '.join(missing[:3])}")
-    return found
-
-
-def _at(item: Item, keys: tuple[Key, ...]) -> Any:
-    for k in keys:
-        item = item[k]  # type: ignore[index]
-    return item
-
-
-def _edited(item: Item, keys: tuple[Key, ...], value: Item | None) -> Item:
-    """A copy of `item` (new maps and lists, leaves shared) whose node at `keys` is `value`,
-    or is deleted for None."""
-    out = _copy(item)
-    parent = _at(out, keys[:-1])
-    if value is None:
-        del parent[keys[-1]]
-    else:
-        parent[keys[-1]] = value
-    return out
-
-
-# -- diagnosis and helpers of the gradient tests ---------------------------------------------
-
-
-def _first_divergence(h: Workload, parts: Parts, runs: dict[str, Parts]) -> dict[str, tuple[int, list[str]]]:
-    """Train `parts` and each of `runs` micro-step by micro-step for one window, side by
-    side, each snapshotted right before its own micro-step (so a run whose RNG state another
-    run's step moved shows it); for each run that differs from `parts`, the micro-step after
-    which it first did (0: before training) and the key paths that differed then."""
-    r = NamedMpkBytesRecorder(_NATIVE)
-    first: dict[str, tuple[int, list[str]]] = {}
-    for step in range(h.window + 1):
-        reference = r.load_item(snapshot(h, parts))
-        if step < h.window:
-            run(h, parts, 1)
-        for name, p in runs.items():
-            if name not in first:
-                same, _, paths = compare_items(reference, r.load_item(snapshot(h, p)))
-                if not same:
-                    first[name] = (step, paths)
-            if step < h.window:
-                run(h, p, 1)
-    return first
-
-
-def _when(step: int) -> str:
-    return "right after the restore, before a micro-step of its own," if step == 0 else f"after micro-step {step}"
-
-
-def _pattern(shape: Any, scale: float) -> np.ndarray[Any, Any]:
-    """Float32 values every float dtype holds exactly: (1..7) * scale, in `shape`."""
-    n = int(np.prod(shape))
-    return ((np.arange(n) % 7 + 1) * scale).astype(np.float32).reshape(tuple(shape))
-
-
-def _same_arrays(got: dict[str, Any] | None, expected: dict[str, Any]) -> list[str]:
-    """What differs between two maps of host arrays, one phrase per ParamId."""
-    got = got or {}
-    problems = [f"{pid} is missing (dropped)" for pid in expected if pid not in got]
-    problems += [f"{pid} is there, but none was expected" for pid in got if pid not in expected]
-    problems += [f"{pid} differs" for pid in expected if pid in got and not (
-        np.shape(got[pid]) == np.shape(expected[pid])
-        and np.array_equal(np.asarray(got[pid], np.float64), expected[pid].astype(np.float64)))]
-    return problems
-
-
-def _overwrites(h: Workload, parts: Parts, tensor: Any, array: np.ndarray[Any, Any]) -> bool:
-    """`h.overwrite`, checked: when it says it wrote, the tensor holds `array`."""
-    if not h.overwrite(parts, tensor, array):
-        return False
-    _expect(np.array_equal(h.backend(parts).to_host(tensor), array), "workload.overwrite",
-            "writes the array into the tensor in place when it returns True")
-    return True
-
-
-def _write(tmp: Path, data: bytes) -> Path:
-    path = tmp / "damaged"
-    path.write_bytes(data)
-    return path
