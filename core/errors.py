@@ -98,7 +98,7 @@ def reading(source: str) -> Iterator[None]:
 def _directory_hint(path: str) -> str:
     """Which recorder reads the checkpoint directory `path` (a format of directories, such
     as Orbax's), for the error a file recorder gives it; "" when none claims it."""
-    from .formats import resolve_directory_format
+    from .recorders.formats import resolve_directory_format
 
     try:
         fmt = resolve_directory_format(path)

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import DType
 from .errors import LossyPrecisionError
-from .items import Item, iter_tensors, map_tensors
-from .protocols import PrecisionSettings
-from .tensor import TensorData
+from .items.dtypes import DType
+from .items.tensor import TensorData
+from .items.tree import Item, iter_tensors, map_tensors
+from .training.protocols import PrecisionSettings
 
 __all__ = [
     "Precision",

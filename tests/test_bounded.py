@@ -35,7 +35,7 @@ from trainrec import (
     TensorData,
     UnsupportedVersionError,
 )
-from trainrec import format as fmt
+from trainrec.format import namedmpk as fmt
 
 HERE = Path(__file__).parent
 MIB = 1 << 20
@@ -145,7 +145,7 @@ def test_adapter_files_still_load_in_plain_torch_and_msgpack(tmp_path):
 
 
 def test_verify_says_what_it_checked(tmp_path, capsys):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     fl = _flax()
     ours = fl.FlaxMsgpackFileRecorder().save_item(_small_item(), tmp_path / "x.msgpack")

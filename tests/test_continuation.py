@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainrec import read_file
-from trainrec.items import compare_items
+from trainrec.items.tree import compare_items
 
 STEPS, WINDOW, BASE = 16, 4, 8
 

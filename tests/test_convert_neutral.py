@@ -14,7 +14,7 @@ import pytest
 import trainrec
 from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord
 from trainrec.adapters.numpy import MLP, SGD, Adam, AdamW, LinearWarmupCosineLr, StepLr
-from trainrec.convert import (
+from trainrec.conversion.convert import (
     ConversionError,
     Neutral,
     convert,
@@ -93,8 +93,8 @@ def test_a_record_no_form_claims_names_its_kinds_and_how_to_register_one():
 
 
 def test_a_registered_form_claims_before_entry_points(monkeypatch):
-    from trainrec import convert as conversion
     from trainrec.adapters.numpy.neutral import NumpyForm
+    from trainrec.conversion import convert as conversion
 
     class Mine(NumpyForm):
         name = "mine"
@@ -551,8 +551,8 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
     """A many-to-one plan (as rules make) takes its moments and pending gradients from all
     its sources; where one of them has none, the conversion says which."""
     strict = pytest.importorskip("trainrec_arraystrict")
-    from trainrec import convert as conversion
-    from trainrec.rules import Plan, RulesResult
+    from trainrec.conversion import convert as conversion
+    from trainrec.conversion.rules import Plan, RulesResult
 
     def plans(rules, source, target, *, frameworks=None, strict=True):
         if not rules:
@@ -585,7 +585,7 @@ def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):
     from importlib import metadata
     from types import SimpleNamespace
 
-    import trainrec.convert as tc
+    import trainrec.conversion.convert as tc
 
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
     monkeypatch.setattr(tc, "_loaded", {})
@@ -610,7 +610,7 @@ def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
     from same_items import same
 
     from trainrec import DefaultRecorder
-    from trainrec.recorders import read_file
+    from trainrec.recorders.namedmpk import read_file
 
     strict_run, (lr, every, gamma) = _strict()
     x, y = batches(5, 3)

@@ -24,7 +24,7 @@ from trainrec import (
     TensorData,
     UnsupportedVersionError,
 )
-from trainrec import format as fmt
+from trainrec.format import namedmpk as fmt
 from trainrec.precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -377,7 +377,7 @@ def test_size_bound_is_an_upper_bound_within_the_checksum_encodings(settings, ch
     item = item_with_all()
     item["big"] = TensorData.from_array(rng.standard_normal(1001))
     item["many"] = [TensorData.from_array(rng.standard_normal(i)) for i in range(40)]
-    n_tensors = sum(1 for _ in trainrec.items.iter_tensors(item))
+    n_tensors = sum(1 for _ in trainrec.items.tree.iter_tensors(item))
     out = io.BytesIO()
     fmt.write_document(out, item, settings, "Item", allow_lossy=True)
     bound = fmt.document_size_bound(item, settings, "Item")

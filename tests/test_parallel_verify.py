@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from trainrec import ChecksumError, NamedMpkFileRecorder, NativePrecisionSettings, TensorData
-from trainrec import format as fmt
+from trainrec.format import namedmpk as fmt
 
 N = 1 << 19  # 2 MiB of f32 per tensor: 8 tensors pass the parallel threshold
 

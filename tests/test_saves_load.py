@@ -22,7 +22,7 @@ from trainrec import (
     TensorData,
     TrainingRecord,
 )
-from trainrec import format as fmt
+from trainrec.format import namedmpk as fmt
 
 NATIVE = NativePrecisionSettings()
 
@@ -173,9 +173,9 @@ def _adapter_recorders():
     except ImportError:
         pass
     try:
-        from trainrec.flaxmsgpack import FlaxMsgpackFileRecorder
+        from trainrec.recorders.flaxmsgpack import FlaxMsgpackFileRecorder
 
-        out.append(pytest.param(FlaxMsgpackFileRecorder, "trainrec.flaxmsgpack", id="flax"))
+        out.append(pytest.param(FlaxMsgpackFileRecorder, "trainrec.recorders.flaxmsgpack", id="flax"))
     except ImportError:
         pass
     return out

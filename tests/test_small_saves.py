@@ -13,7 +13,7 @@ from trainrec import (
     NativePrecisionSettings,
     TensorData,
 )
-from trainrec import format as fmt
+from trainrec.format import namedmpk as fmt
 
 NATIVE = NativePrecisionSettings()
 
@@ -66,7 +66,8 @@ def test_every_save_reserves_about_its_size_first_and_frees_the_rest(tmp_path, m
     writes); measured on ext4, replacing an older file without one costs a flush at the
     rename (auto_da_alloc): a 2 MB save took 1.5 ms with, 0.5 ms without. Now every save
     reserves about its size, and the file ends at its document (the rest is freed)."""
-    from trainrec import NamedMpkFileRecorder, _atomic
+    from trainrec import NamedMpkFileRecorder
+    from trainrec.storage import atomic as _atomic
 
     calls: list[int] = []
     real = _atomic._fallocate

@@ -23,11 +23,10 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from ..accumulator import GradientsAccumulator
-from ..dtypes import DType, FloatDType
 from ..errors import LossyPrecisionError, RecorderError, RecordMismatchError
-from ..gradients import GradientsParams, GradientsParamsRecord
-from ..items import Item, compare_items, iter_tensors, map_leaves, map_tree, walk
+from ..items.dtypes import DType, FloatDType
+from ..items.tensor import TensorData
+from ..items.tree import Item, compare_items, iter_tensors, map_leaves, map_tree, walk
 from ..precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -35,13 +34,14 @@ from ..precision import (
     NativePrecisionSettings,
     first_lossy,
 )
-from ..protocols import AutodiffBackend, AutodiffModule, LrScheduler, Optimizer, Recorder
-from ..recorders import NamedMpkBytesRecorder
-from ..records import StateRecord
-from ..registry import adapt, adapt_module
-from ..tensor import TensorData
-from ..training import TrainingRecord
-from ..workload import Workload, recorders_for
+from ..recorders.namedmpk import NamedMpkBytesRecorder
+from ..training.accumulator import GradientsAccumulator
+from ..training.gradients import GradientsParams, GradientsParamsRecord
+from ..training.protocols import AutodiffBackend, AutodiffModule, LrScheduler, Optimizer, Recorder
+from ..training.record import TrainingRecord
+from ..training.records import StateRecord
+from ..training.registry import adapt, adapt_module
+from ..workload.loop import Workload, recorders_for
 from .harness import Parts, continuation, midway, run, snapshot
 from .vectors import check_vectors
 
