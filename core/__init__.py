@@ -7,6 +7,7 @@ own counters and RNG, so the resumed run is bitwise identical to one that never 
 Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 """
 
+from . import errors as _errors
 from ._version import __version__
 from .check.resume import ResumeReport, check_resume
 from .conversion.convert import register_neutral_form
@@ -34,6 +35,8 @@ from .precision import (
     first_lossy,
     is_lossless,
 )
+from .recorders import burn as _burn
+from .recorders import formats as _formats
 from .recorders.flaxmsgpack import FlaxMsgpackFileRecorder
 from .recorders.formats import Format, register_format
 from .recorders.namedmpk import (
@@ -64,6 +67,19 @@ from .training.record import RestoredTraining, TrainingRecord
 from .training.records import RngRecord, StateRecord, record
 from .training.registry import Adapter, adapt, register_adapter
 from .workload.loop import Parts, Workload, train_until
+
+
+def _burn_layout(record: object) -> dict[str, Item] | None:
+    """A Bin template laid out from another adapter's record by the neutral forms; the
+    conversion layer sits above the recorders', so the package wires it here."""
+    from .conversion.burn_neutral import burn_layout
+
+    return burn_layout(record)
+
+
+_burn.register_template_layout(_burn_layout)
+# the errors of the layers below the format registry name the reader of another format's file
+_errors.register_format_hints(_formats.reader_of, _formats.directory_reader)
 
 __all__ = [
     "__version__",

@@ -46,7 +46,7 @@ class TrainrecPlugin(Plugin):
 def _add_record_methods(ctx: ClassDefContext) -> None:
     info = ctx.cls.info
     anything = AnyType(TypeOfAny.special_form)
-    settings = ctx.api.named_type_or_none("trainrec.training.protocols.PrecisionSettings") or anything
+    settings = ctx.api.named_type_or_none("trainrec.precision.PrecisionSettings") or anything
     item = _alias(ctx, "trainrec.items.tree.Item") or anything
     if "into_item" not in info.names:
         add_method_to_class(

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptRecordError
 from ..format.namedmpk import Header
 from ..items.tensor import TensorData
 from ..items.tree import Item, map_leaves
@@ -55,6 +54,7 @@ from ..recorders.burn import (
     module_tensors,
     new_param_id,
     param_id_value,
+    split_training_item,
 )
 from ..training.gradients import GradientsParamsRecord
 from ..training.record import TrainingRecord
@@ -127,28 +127,6 @@ def as_training(header: Header, item: Item) -> TrainingRecord[Any] | None:
     if not header.format.startswith("burn.") or header.record_type != MODULE:
         return None
     return training_record((header, item))
-
-
-def split_training_item(item: list[Item], source: str) -> tuple[Item, Item | None]:
-    """The Burn module item of a TrainingRecord's item and its optimizer item (None where
-    the optimizer holds no state): what a Burn recorder writes of it."""
-    if len(item) != 5:
-        raise CorruptRecordError("a TrainingRecord item is a list of 5", source=source)
-    model, optimizer = item[0], item[1]
-    if not (isinstance(model, dict) and isinstance(model.get("kind"), str)
-            and str(model["kind"]).startswith("burn")):
-        kind = model.get("kind") if isinstance(model, dict) else None
-        raise CorruptRecordError(f"a Burn file holds a Burn module record, this TrainingRecord's model "
-                                 f"is a {kind!r}: convert it first (trainrec convert --to burn)", source=source)
-    rest = [i for i, part in enumerate(item[2:4], 2) if part not in (None, {})]
-    if rest:
-        raise CorruptRecordError("a Burn file holds no scheduler or pending gradients; this record has "
-                                 f"{' and '.join({2: 'a scheduler', 3: 'pending gradients'}[i] for i in rest)}",
-                                 source=source)
-    state = optimizer.get("state") if isinstance(optimizer, dict) else None
-    held = isinstance(state, dict) and (state.get("tensors") or state.get("scalars"))
-    return model["state"], ({k: v for k, v in state.items() if k != "config"} if held and isinstance(state, dict)
-                            else None)
 
 
 def _u64(pid: Item) -> int | None:

@@ -28,8 +28,7 @@ from ..items.checksum import crc32, crc_text
 from ..items.dtypes import DType
 from ..items.tensor import TensorData
 from ..items.tree import Item, iter_tensors, map_tensors
-from ..precision import restore_tensor, settings_by_name
-from ..training.protocols import PrecisionSettings
+from ..precision import PrecisionSettings, restore_tensor, settings_by_name
 from .namedmpk import Header
 
 __all__ = [

@@ -22,14 +22,25 @@ import msgpack
 import numpy as np
 
 from .._version import __version__
-from ..errors import ChecksumError, CorruptRecordError, UnsupportedVersionError
+from ..errors import (
+    HINT_BYTES,
+    ChecksumError,
+    CorruptRecordError,
+    UnsupportedVersionError,
+    format_hint,
+)
 from ..items.checksum import crc32, crc_text
 from ..items.dtypes import DType
 from ..items.tensor import TensorData
 from ..items.tree import TENSOR_KEY, Item, check_item, join_key, path_of, walk
-from ..precision import Precision, restorable, restore_tensor, settings_by_name, store_tensor
-from ..recorders.sniff import HEAD_BYTES, reader_of
-from ..training.protocols import PrecisionSettings
+from ..precision import (
+    Precision,
+    PrecisionSettings,
+    restorable,
+    restore_tensor,
+    settings_by_name,
+    store_tensor,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -968,8 +979,8 @@ def _read_header(p: _Parser) -> Header:
 
 
 def _wrong_magic(p: _Parser) -> str:
-    head = bytes(p.mv[: min(p.avail, HEAD_BYTES)])
-    return "not a trainrec NamedMpk document (wrong magic)" + reader_of(head, not_=FORMAT_NAME)
+    head = bytes(p.mv[: min(p.avail, HINT_BYTES)])
+    return "not a trainrec NamedMpk document (wrong magic)" + format_hint(head, not_=FORMAT_NAME)
 def check_magic(prefix: Any, source: str) -> None:
     """Raise `CorruptRecordError` unless `prefix` (the first bytes of a payload, at least
     64 of them when the payload has that many) starts a NamedMpk document: lets a reader
@@ -985,9 +996,9 @@ def check_magic(prefix: Any, source: str) -> None:
     except CorruptRecordError:
         ok = False
     if not ok:
-        head = bytes(memoryview(prefix)[:HEAD_BYTES])
+        head = bytes(memoryview(prefix)[:HINT_BYTES])
         raise CorruptRecordError("not a trainrec NamedMpk document (wrong magic)"
-                                 + reader_of(head, not_=FORMAT_NAME), source=source)
+                                 + format_hint(head, not_=FORMAT_NAME), source=source)
 
 
 def _check_version(v: object, p: _Parser) -> None:

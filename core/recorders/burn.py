@@ -72,7 +72,7 @@ __all__ = [
     "BurnpackRecorder", "BurnNamedMpkRecorder", "read_burnpack", "read_namedmpk",
     "read_namedmpk_gz", "read_bin", "param_id_text", "param_id_value", "new_param_id",
     "is_burn_item", "module_tensors", "sniff_burnpack", "sniff_namedmpk", "sniff_bin",
-    "sniff_namedmpk_gz", "gz_is_burn",
+    "sniff_namedmpk_gz", "gz_is_burn", "split_training_item", "register_template_layout",
 ]
 
 BURNPACK, NAMEDMPK, NAMEDMPK_GZ, BIN = "burn.burnpack", "burn.namedmpk", "burn.namedmpk.gz", "burn.bin"
@@ -633,13 +633,48 @@ def _structure(template: Any) -> Item:
         return template["item"]  # type: ignore[no-any-return]
     if isinstance(template, dict) and isinstance(template.get("tensors"), dict):
         return nest(template["tensors"])
-    from ..conversion.burn_neutral import burn_layout
-
-    laid = burn_layout(template)  # a record another adapter's form can describe
+    laid = None
+    for layout in _layouts:
+        laid = layout(template)
+        if laid is not None:
+            break  # a record another adapter's form can describe
     if laid is not None:
         return nest(laid["tensors"])  # type: ignore[arg-type]
     raise TypeError("a Bin template is a Burn record (Burnpack, NamedMpk), a path to one, or a "
                     f"record whose parameters a neutral form names; got {type(template).__name__}")
+
+
+_layouts: list[Callable[[Any], dict[str, Item] | None]] = []
+
+
+def register_template_layout(layout: Callable[[Any], dict[str, Item] | None]) -> None:
+    """Let a Bin template be any record `layout` lays out in Burn's names (a Burnpack-layout
+    module item, None for a record it does not describe). The conversion layer, above this
+    one, registers its neutral forms' (`trainrec.conversion.burn_neutral.burn_layout`):
+    `trainrec/__init__.py` wires it."""
+    _layouts.append(layout)
+
+
+def split_training_item(item: list[Item], source: str) -> tuple[Item, Item | None]:
+    """The Burn module item of a TrainingRecord's item and its optimizer item (None where
+    the optimizer holds no state): what a Burn recorder writes of it."""
+    if len(item) != 5:
+        raise CorruptRecordError("a TrainingRecord item is a list of 5", source=source)
+    model, optimizer = item[0], item[1]
+    if not (isinstance(model, dict) and isinstance(model.get("kind"), str)
+            and str(model["kind"]).startswith("burn")):
+        kind = model.get("kind") if isinstance(model, dict) else None
+        raise CorruptRecordError(f"a Burn file holds a Burn module record, this TrainingRecord's model "
+                                 f"is a {kind!r}: convert it first (trainrec convert --to burn)", source=source)
+    rest = [i for i, part in enumerate(item[2:4], 2) if part not in (None, {})]
+    if rest:
+        raise CorruptRecordError("a Burn file holds no scheduler or pending gradients; this record has "
+                                 f"{' and '.join({2: 'a scheduler', 3: 'pending gradients'}[i] for i in rest)}",
+                                 source=source)
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    held = isinstance(state, dict) and (state.get("tensors") or state.get("scalars"))
+    return model["state"], ({k: v for k, v in state.items() if k != "config"} if held and isinstance(state, dict)
+                            else None)
 
 
 def nest(flat: dict[str, Any]) -> Item:
@@ -813,8 +848,6 @@ class BurnpackRecorder(RecorderBase):
 
         path = path_arg(args)
         if isinstance(item, list) and record_type == "TrainingRecord":
-            from ..conversion.burn_neutral import split_training_item
-
             model, optimizer = split_training_item(item, str(path))
             if optimizer is not None:
                 self.save_item(optimizer, optimizer_path(path), OPTIMIZER, allow_lossy=allow_lossy)
@@ -922,8 +955,6 @@ class BurnNamedMpkRecorder(RecorderBase):
 
         path = path_arg(args)
         if isinstance(item, list) and record_type == "TrainingRecord":
-            from ..conversion.burn_neutral import split_training_item
-
             item = split_training_item(item, str(path))[0]
         meta, record, ids, dtypes = _named_parts(item, str(path))
         style = _bool_style(meta["version"])

@@ -39,7 +39,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptRecordError, RecorderError, reading
+from ..errors import (
+    HINT_BYTES,
+    CorruptRecordError,
+    RecorderError,
+    reading,
+)
 from ..storage.files import kind_of, open_regular
 
 if TYPE_CHECKING:
@@ -63,7 +68,7 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "trainrec.formats"
-SNIFF_BYTES = 64
+SNIFF_BYTES = HINT_BYTES
 """How many leading bytes of a file `Format.sniff` is given (fewer for a shorter file)."""
 
 Reader = Callable[[Path, bool], "tuple[Header, Item]"]
@@ -516,3 +521,23 @@ def _clear_entry_point_cache() -> None:
     """Forget the formats entry points declared (for tests that change them)."""
     global _from_entry_points
     _from_entry_points = None
+
+
+def reader_of(head: bytes, not_: str) -> str:
+    """Which recorder (or `trainrec.read_file`) reads a file starting with `head`, as a
+    sentence to append to a wrong-magic error; "" when it is of format `not_` or of none."""
+    fmt = sniff_format(head)
+    if fmt is None or fmt.name == not_:
+        return ""
+    return f"; this is {fmt.description or fmt.name}, and trainrec.read_file reads any of them"
+
+
+def directory_reader(path: str) -> str:
+    """Which recorder reads the checkpoint directory `path`, as a sentence to append to an
+    error; "" when no format of directories claims it."""
+    try:
+        fmt = resolve_directory_format(path)
+    except RecorderError:
+        return ""
+    return f"; this is {fmt.description or fmt.name}, and trainrec.read_file reads any of them"
+

@@ -4,6 +4,7 @@ it (and `read_file` can pick it)."""
 
 from __future__ import annotations
 
+from ..errors import format_hint
 from .formats import SNIFF_BYTES, sniff_format
 
 __all__ = ["HEAD_BYTES", "format_of", "reader_of"]
@@ -24,7 +25,4 @@ def reader_of(head: bytes, *, not_: str) -> str:
     """A sentence to append to a wrong-magic error: which recorder (or
     `trainrec.read_file`) reads a file starting with `head`; "" when it is of format
     `not_` or of no format trainrec knows."""
-    fmt = sniff_format(head)
-    if fmt is None or fmt.name == not_:
-        return ""
-    return f"; this is {fmt.description or fmt.name}, and trainrec.read_file reads any of them"
+    return format_hint(head, not_=not_)

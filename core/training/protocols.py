@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..items.dtypes import DType
+from ..precision import PrecisionSettings
 
 if TYPE_CHECKING:
     from ..format.namedmpk import Header
@@ -36,24 +37,6 @@ __all__ = [
 
 ParamId = str
 """A parameter's stable name: torch `named_parameters()` name, JAX key path joined with `.`."""
-
-
-@runtime_checkable
-class PrecisionSettings(Protocol):
-    """Which dtype float and signed int tensors are stored in (`None`: keep their own).
-
-    `target(dtype)` gives the stored dtype of a tensor of `dtype`; unsigned int and bool
-    tensors (bit patterns) and scalars are never converted. `name` identifies the
-    settings in file headers.
-    """
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def float_dtype(self) -> DType | None: ...
-    @property
-    def int_dtype(self) -> DType | None: ...
-    def target(self, dtype: DType) -> DType: ...
 
 
 @runtime_checkable
