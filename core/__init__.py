@@ -45,8 +45,8 @@ from .recorders.namedmpk import (
     NamedMpkBytesRecorder,
     NamedMpkFileRecorder,
     NamedMpkGzFileRecorder,
-    read_file,
 )
+from .recorders.read import read_file
 from .training.accumulator import GradientsAccumulator
 from .training.array_api import ArrayApiAdapter, ArrayApiBackend
 from .training.changes import UncheckedIdentityWarning

@@ -610,7 +610,7 @@ def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
     from same_items import same
 
     from trainrec import DefaultRecorder
-    from trainrec.recorders.namedmpk import read_file
+    from trainrec.recorders.read import read_file
 
     strict_run, (lr, every, gamma) = _strict()
     x, y = batches(5, 3)

@@ -1,5 +1,5 @@
-"""The `trainrec` command line (`commands`; also `python -m trainrec`), its `check` command (`check`)
-and `trainrec demo` (`demo`). The top of the house: it may import every layer and tool.
+"""The `trainrec` command line (`commands`; also `python -m trainrec`), its `check` command (`check`),
+`trainrec demo` (`demo`) and how it prints file text (`terminal`). The top of the house: it may import every layer and tool.
 
 `trainrec.cli` is `trainrec.cli.commands`'s names."""
 

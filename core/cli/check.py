@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from .terminal import printable as _printable
+
 __all__ = ["add_check_parser", "run_check"]
 
 
@@ -55,12 +57,6 @@ def add_check_parser(sub: Any) -> None:
                         "--at covering these) instead of running it again: only for a workload "
                         "that differs from that one in its resume code alone")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a run may take (600)")
-
-
-def _printable(text: str) -> str:
-    from .commands import _printable as escape
-
-    return escape(text)
 
 
 def _target_problem(target: str) -> tuple[int, str]:

@@ -28,6 +28,7 @@ from ..errors import CorruptRecordError, FileMissingError, RecorderError
 from ..items.tensor import TensorData
 from ..items.tree import Item, map_leaves
 from ..storage.location import is_url
+from .terminal import printable as _printable
 
 __all__ = ["main"]
 
@@ -173,16 +174,6 @@ def _main(argv: Sequence[str] | None) -> int:
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
-def _printable(text: str) -> str:
-    """`text` with every non-printable character escaped as Python writes it (`\x1b`,
-    `\r`, `\n`, `\u202e`, a lone surrogate of an undecodable file name): what comes
-    from a file or a path prints as one inert line."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode("ascii")
-                   for c in text)
-
-
 def _message(e: BaseException, *, lines: bool = False) -> str:
     """An error message for the terminal, escaped to one line; with `lines` (a message
     that lists its reasons one a line) each line escaped and every line after the first
@@ -278,7 +269,7 @@ _COMPONENTS = ("model", "optimizer", "scheduler", "grads", "state")
 
 
 def _inspect(path: str, as_json: bool) -> int:
-    from ..recorders.namedmpk import read_file
+    from ..recorders.read import read_file
 
     try:
         _regular_file(path)
@@ -316,7 +307,7 @@ def _inspect(path: str, as_json: bool) -> int:
 
 def _verify(path: str, as_json: bool) -> int:
     from ..items.tree import iter_tensors
-    from ..recorders.namedmpk import read_file
+    from ..recorders.read import read_file
 
     if is_url(path) and (steps := _committed_steps(path)):
         return max(_verify(f"{path.rstrip('/')}/{name}", as_json) for _, name in steps)
@@ -373,7 +364,7 @@ def _diff(a: str, b: str, as_json: bool) -> int:
     import numpy as np
 
     from ..items.tree import iter_tensors
-    from ..recorders.namedmpk import read_file
+    from ..recorders.read import read_file
 
     try:
         _regular_file(a)
@@ -570,7 +561,7 @@ def _convert(args: argparse.Namespace) -> int:
     from ..conversion.convert import ConversionError, convert_with_report, framework_of
     from ..conversion.rules import PRESETS, load_rules
     from ..items.tree import iter_tensors, map_tensors
-    from ..recorders.namedmpk import read_file
+    from ..recorders.read import read_file
     from ..training.record import TrainingRecord
 
     if args.to == "mpk":  # a re-encoding: the conversion's options would be silently ignored

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..items.tree import compare_items
-from ..recorders.namedmpk import read_file
+from ..recorders.read import read_file
 from ..roles import role_command
 from ..workload.loop import BUNDLED, load_workload
 

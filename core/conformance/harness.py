@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ..items.tree import Item
 from ..precision import NativePrecisionSettings
-from ..recorders.namedmpk import NamedMpkBytesRecorder, read_file
+from ..recorders.namedmpk import NamedMpkBytesRecorder
+from ..recorders.read import read_file
 from ..roles import checkpoint_path, role_command
 from ..training.record import TrainingRecord
 from ..workload.loop import Parts, Workload, train_until

@@ -86,7 +86,7 @@ _EMBEDDING = re.compile(r"emb|wte|wpe", re.IGNORECASE)
 
 def _read(record: Any) -> tuple[Header | None, Item]:
     if isinstance(record, (str, os.PathLike)):
-        from ..recorders.namedmpk import read_file
+        from ..recorders.read import read_file
 
         return read_file(record)
     if isinstance(record, tuple) and len(record) == 2 and isinstance(record[0], Header):

@@ -624,7 +624,7 @@ def _structure(template: Any) -> Item:
     """The record tree a template gives a Bin file: a Burn NamedMpk or Bin item's `item`, or
     a Burnpack item's tensors nested by their dotted names (numbered segments as lists)."""
     if isinstance(template, (str, os.PathLike)):
-        from .namedmpk import read_file
+        from .read import read_file
 
         template = read_file(template, mmap=True)
     if isinstance(template, tuple) and len(template) == 2 and isinstance(template[0], Header):
