@@ -6,10 +6,12 @@ components a report names (`components_of`), the leaves that differ between two 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 import re
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -56,21 +58,35 @@ COMPONENTS = ("model", "optimizer", "scheduler", "pending", "state", "rng", "dat
 _NATIVE = NativePrecisionSettings()
 _RNG_NAME = re.compile(r"rng|random|key|seed|generator", re.I)
 
-# recorders by name beyond the core ones and the workload's own: (module, class, kwargs)
-_ADAPTER_RECORDERS: dict[str, tuple[str, str, bool]] = {
-    "torch": ("trainrec.adapters.torch", "TorchFileRecorder", True),
-    "ddp": ("trainrec.adapters.torch", "DistributedRecorder", False),
-    "dcp": ("trainrec.adapters.torch", "DCPRecorder", False),
-    "flax": ("trainrec", "FlaxMsgpackFileRecorder", True),
-    "orbax": ("trainrec.adapters.jax", "OrbaxRecorder", True),
-}
+CHECK_RECORDERS_GROUP = "trainrec.check_recorders"
+"""Where adapters declare the recorders `trainrec check --recorder NAME` takes: `name =
+"module:attr"`, a callable given native precision settings that returns the recorder (the
+bundled adapters' `torch`, `ddp`, `dcp` and `orbax` are declared in trainrec's pyproject)."""
+
+
+def _flax_recorder(native: Any) -> Any:
+    from ..recorders.flaxmsgpack import FlaxMsgpackFileRecorder
+
+    return FlaxMsgpackFileRecorder(native)
+
+
+@functools.cache
+def _adapter_recorders() -> dict[str, Any]:
+    """Recorders by name beyond the core ones and the workload's own: core's flax msgpack
+    and those adapters declare (read once from the entry points; an entry point of the
+    same name replaces core's)."""
+    found: dict[str, Any] = {"flax": _flax_recorder}
+    found.update({ep.name: ep for ep in metadata.entry_points(group=CHECK_RECORDERS_GROUP)})
+    return found
+
+
 COLLECTIVE = ("DistributedRecorder", "DCPRecorder", "OrbaxRecorder")
 """Recorders whose checkpoint is one path for all ranks (each rank writes its part)."""
 
 
 def recorder_names(workload: Workload) -> list[str]:
     """The names `--recorder` takes for `workload` (besides `module:attr`)."""
-    return sorted({*recorders_for(workload), *_ADAPTER_RECORDERS})
+    return sorted({*recorders_for(workload), *_adapter_recorders()})
 
 
 def named_recorder(workload: Workload, name: str) -> Any:
@@ -81,10 +97,10 @@ def named_recorder(workload: Workload, name: str) -> Any:
     own = recorders_for(workload)
     if name in own:
         return own[name]
-    if name in _ADAPTER_RECORDERS:
-        module, attr, native = _ADAPTER_RECORDERS[name]
-        cls = getattr(importlib.import_module(module), attr)
-        return cls(_NATIVE) if native else cls()
+    if name in _adapter_recorders():
+        factory = _adapter_recorders()[name]
+        make = factory.load() if isinstance(factory, metadata.EntryPoint) else factory
+        return make(_NATIVE)
     if ":" in name:
         module, _, attr = name.partition(":")
         found = getattr(importlib.import_module(module), attr)

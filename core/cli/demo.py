@@ -21,7 +21,7 @@ from typing import Any
 from ..items.tree import compare_items
 from ..recorders.read import read_file
 from ..roles import role_command
-from ..workload.loop import BUNDLED, load_workload
+from ..workload.loop import load_workload, workload_modules
 
 # `load_workload` is named here too: `trainrec demo --backend module:attr` checks the
 # workload it names before starting any process (cli.py)
@@ -33,9 +33,9 @@ def best_backend() -> str:
     for name, needs in (("torch", "torch"), ("jax", "jax")):
         if importlib.util.find_spec(needs) is not None:
             try:
-                if importlib.util.find_spec(BUNDLED[name]) is not None:
+                if importlib.util.find_spec(workload_modules()[name]) is not None:
                     return name
-            except ModuleNotFoundError:
+            except (ModuleNotFoundError, KeyError):
                 continue
     return "numpy"
 

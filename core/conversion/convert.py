@@ -16,9 +16,9 @@ their own layouts and refusals.
 Forms are found by the model kind of a record (`NeutralForm.kinds`, dotted prefixes):
 first those given to `register_neutral_form` (newest first), then the entry points of the
 group `trainrec.neutral`, whose name is the form's name (`acme =
-"trainrec_acme.neutral:FORM"`), together with the built-in forms of torch, JAX and the
-numpy reference (`_BUILTIN`, which need no installation metadata; an entry point of the
-same name replaces one): those whose name is a dotted prefix of the kind, longest first,
+"trainrec_acme.neutral:FORM"`; the bundled torch, JAX and numpy adapters declare theirs
+there too), together with core's own Burn form (`_BUILTIN`; an entry point of the same
+name replaces it): those whose name is a dotted prefix of the kind, longest first,
 then the others. Loading a form imports no framework.
 
 Parameters: every target tensor gets one `Plan` (`trainrec.conversion.rules`): user rules first
@@ -337,14 +337,9 @@ def tensors_of(item: Item, key: str) -> dict[str, TensorData]:
 
 _registered: list[NeutralForm] = []
 _loaded: dict[str, NeutralForm] = {}
-# the built-in adapters' forms (the one place core names adapter modules): found with no
-# installation metadata, after every registered and entry-point form
+# core's own form (Burn's records, which core reads and writes itself), after every
+# registered and entry-point form; the bundled adapters' forms are entry points (pyproject)
 _BUILTIN: dict[str, str] = {
-    "torch": "trainrec.adapters.torch.neutral:FORM",
-    "jax": "trainrec.adapters.jax.neutral:FORM",
-    "flax.nnx": "trainrec.adapters.jax.neutral:NNX_FORM",
-    "equinox": "trainrec.adapters.jax.neutral:EQX_FORM",
-    "trainrec.numpy": "trainrec.adapters.numpy.neutral:FORM",
     "burn": "trainrec.conversion.burn_neutral:FORM",
 }
 

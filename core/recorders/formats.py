@@ -9,13 +9,13 @@ extension. Resolution order of `known_formats()`:
 2. formats declared in the entry-point group `trainrec.formats` (entry-point name = the
    format's name, value = `"module:attr"` naming a `Format`), by name; an entry point
    that fails to load, or names something else, is skipped with a warning;
-3. the built-in formats: NamedMpk (`.mpk`), gzip NamedMpk (`.mpk.gz`), flax msgpack
-   (`.msgpack`), torch (`.pt`) and Orbax checkpoint directories (`.orbax`). These are
-   the one place `core/` names adapter modules: a `.pt` file is *read* by core
-   (`trainrec.recorders.ptfile`), only its recorder (for writing) lives in
-   `trainrec.adapters.torch`; an Orbax checkpoint is read by
-   `trainrec.adapters.jax.orbax_recorder`, imported only when one is read (it needs
-   `orbax-checkpoint`, which needs JAX).
+3. core's own formats: NamedMpk (`.mpk`), gzip NamedMpk (`.mpk.gz`), flax msgpack
+   (`.msgpack`) and Burn's files (Burnpack `.bpk`, NamedMpk, gzip NamedMpk, Bin).
+
+The bundled adapters' formats (torch `.pt`, read by core's `trainrec.recorders.ptfile`;
+DDP and DCP directories; Orbax checkpoint directories) come through step 2 like any
+adapter's: trainrec's own pyproject declares them, and core names no adapter module.
+The entry points are read once and cached (`_clear_entry_point_cache` forgets them).
 
 The first format of a name wins. A file is read by the first format, in that order, whose
 `sniff` accepts its first bytes; the extension only decides between several that do, and
@@ -325,10 +325,6 @@ def _sniff_gz(head: bytes) -> bool:
     return head[:2] == b"\x1f\x8b"
 
 
-def _sniff_torch(head: bytes) -> bool:
-    return head[:4] == b"PK\x03\x04"
-
-
 def _sniff_flax(head: bytes) -> bool:
     """Ours, or any msgpack map that is not NamedMpk (a plain flax state dict); not a
     map whose first bytes look like a damaged NamedMpk header."""
@@ -367,56 +363,6 @@ def _read_flax(path: Path, mmap: bool) -> tuple[Header, Item]:
     return FlaxMsgpackFileRecorder(NativePrecisionSettings()).read(path, mmap=mmap)
 
 
-def _read_torch(path: Path, mmap: bool) -> tuple[Header, Item]:
-    from .ptfile import read_pt
-
-    return read_pt(path, mmap)
-
-
-def _sniff_orbax(head: bytes) -> bool:
-    """The JSON item of `OrbaxRecorder`'s checkpoints starts with its format string."""
-    return head.lstrip().startswith(b"{") and b'"trainrec.orbax"' in head
-
-
-def _read_orbax(path: Path, mmap: bool) -> tuple[Header, Item]:
-    try:
-        from trainrec.adapters.jax.orbax_recorder import read_orbax
-    except ImportError as e:
-        raise RecorderError(f"reading a trainrec.orbax checkpoint needs orbax-checkpoint and "
-                            f"JAX ({e}): pip install 'trainrec[orbax]'", source=str(path)) from e
-    return read_orbax(path, mmap)
-
-
-def _sniff_manifest(name: str) -> Callable[[bytes], bool]:
-    """A distributed checkpoint's `manifest.json` (keys sorted) names its format at once."""
-    want = f'"format": "{name}"'.encode()
-    return lambda head: head.lstrip().startswith(b"{") and want in head
-
-
-def _torch_reader(fmt: str, module: str, name: str) -> Callable[[Path, bool], tuple[Header, Item]]:
-    """The reader `name` of the torch adapter's `module`, imported when first used
-    (`RecorderError` naming the extra without torch)."""
-    def read(path: Path, mmap: bool) -> tuple[Header, Item]:
-        try:
-            reader = getattr(importlib.import_module(module), name)
-        except ImportError as e:
-            raise RecorderError(f"reading a {fmt} checkpoint needs torch ({e}): "
-                                "pip install 'trainrec[torch]'", source=str(path)) from e
-        result: tuple[Header, Item] = reader(path, mmap)
-        return result
-    return read
-
-
-def _dcp_entries(item: Item) -> tuple[str, int, int]:
-    """How many DCP entries (and bytes) `read_dcp` checked."""
-    checked = item.get("checked") if isinstance(item, dict) else None
-    entries = checked.get("entries") if isinstance(checked, dict) else None
-    nbytes = checked.get("bytes") if isinstance(checked, dict) else None
-    if not (isinstance(entries, int) and isinstance(nbytes, int)):
-        return "DCP entries", 0, 0
-    return "DCP entries", entries, nbytes
-
-
 _BUILTIN: tuple[Format, ...] = (
     Format("trainrec.namedmpk", (".mpk",), _sniff_namedmpk, _read_namedmpk,
            "trainrec.recorders.namedmpk:NamedMpkFileRecorder",
@@ -431,36 +377,6 @@ _BUILTIN: tuple[Format, ...] = (
            "a msgpack map without a NamedMpk header, as flax writes: "
            "trainrec.FlaxMsgpackFileRecorder reads it",
            "the file checksum over every byte (header, structure, tensors)"),
-    Format("trainrec.torch", (".pt",), _sniff_torch, _read_torch,
-           "trainrec.adapters.torch.recorder:TorchFileRecorder",
-           "a .pt zip file: trainrec.adapters.torch.TorchFileRecorder reads it",
-           "the file checksum over every byte (header, structure, tensors, zip framing)"),
-    Format("trainrec.orbax", (".orbax",), _sniff_orbax, _read_orbax,
-           "trainrec.adapters.jax.orbax_recorder:OrbaxRecorder",
-           "an Orbax checkpoint directory: trainrec.adapters.jax.OrbaxRecorder reads it",
-           "the JSON item's checksum (header, structure, scalars, tensor table), Orbax's "
-           "array metadata against the table, and every tensor checksum",
-           marker="trainrec/metadata"),
-    Format("trainrec.distributed", (), _sniff_manifest("trainrec.distributed"),
-           _torch_reader("trainrec.distributed", "trainrec.adapters.torch.distributed",
-                         "read_distributed"),
-           "trainrec.adapters.torch.distributed:DistributedRecorder",
-           "a DDP checkpoint directory: trainrec.adapters.torch.DistributedRecorder reads it "
-           "(shown: rank 0's view)",
-           "the manifest, and every rank's part: its checksums, rank and save id",
-           marker="manifest.json",
-           partial="rank 0's part only (the other ranks' pending gradients and state are left out)"),
-    Format("trainrec.dcp", (), _sniff_manifest("trainrec.dcp"),
-           _torch_reader("trainrec.dcp", "trainrec.adapters.torch.dcp", "read_dcp"),
-           "trainrec.adapters.torch.dcp:DCPRecorder",
-           "a sharded (FSDP2) checkpoint directory of torch.distributed.checkpoint: "
-           "trainrec.adapters.torch.DCPRecorder loads it (shown: its entries' dtypes and "
-           "shapes, every rank's scheduler and caller state)",
-           "the manifest, every rank's part (checksums, rank, save id), DCP's .metadata (its "
-           "CRC-32, and that its chunks tile every tensor), and every DCP entry's bytes "
-           "against the CRC-32 the save recorded in the manifest",
-           marker="manifest.json", entries=_dcp_entries,
-           partial="what each entry is (dtype and shape), not its values"),
 )
 
 

@@ -11,8 +11,10 @@ proves that it resumes exactly, README "Checking your own loop"); each adapter s
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, ClassVar
 
 import numpy as np
@@ -177,17 +179,21 @@ def recorders_for(workload: Workload) -> dict[str, Recorder]:
     return {**CORE_RECORDERS, **getattr(workload, "recorders", {})}
 
 
-# the bundled adapters' workloads (with the format and neutral-form defaults, the places
-# core names adapter modules); any other adapter's is `module:attr`
-BUNDLED: dict[str, str] = {
-    "numpy": "trainrec.adapters.numpy.demo",
-    "torch": "trainrec.adapters.torch.demo",
-    "jax": "trainrec.adapters.jax.demo",
-}
+ENTRY_POINT_GROUP = "trainrec.workloads"
+"""Where adapters declare their workloads by name: `name = "module"` (a module with
+`WORKLOADS`, a dict of variants, or `WORKLOAD`); the bundled adapters declare theirs
+(`numpy`, `torch`, `jax`) in trainrec's pyproject as any adapter does."""
+
+
+@functools.cache
+def workload_modules() -> dict[str, str]:
+    """The workloads adapters declare, name -> module (read once from the entry points)."""
+    return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def load_workload(backend: str, variant: str = "default") -> Workload:
-    """The adapter's workload: `WORKLOADS[variant]` of the module `BUNDLED[backend]`,
+    """The adapter's workload: `WORKLOADS[variant]` of the module an adapter declares as
+    `backend` (`workload_modules()`),
     or, for `backend` of the form `"module:attr"`, that object (a class is instantiated):
     the workload of any adapter."""
     if ":" in backend:
@@ -195,9 +201,10 @@ def load_workload(backend: str, variant: str = "default") -> Workload:
         found = getattr(importlib.import_module(module_name), attr)
         workload: Workload = found() if isinstance(found, type) else found
         return workload
-    if backend not in BUNDLED:
-        raise ValueError(f"no bundled workload {backend!r}: one of {sorted(BUNDLED)}, or module:attr")
-    module = importlib.import_module(BUNDLED[backend])
+    declared = workload_modules()
+    if backend not in declared:
+        raise ValueError(f"no bundled workload {backend!r}: one of {sorted(declared)}, or module:attr")
+    module = importlib.import_module(declared[backend])
     workloads: dict[str, Workload] = getattr(module, "WORKLOADS", {"default": module.WORKLOAD})
     if variant not in workloads:
         raise ValueError(f"{backend} has no workload {variant!r}; it has {sorted(workloads)}")
