@@ -20,7 +20,7 @@ from .errors import (
     RecordMismatchError,
     UnsupportedVersionError,
 )
-from .format.namedmpk import FORMAT_NAME, FORMAT_VERSION, Header
+from .format.header import FORMAT_NAME, FORMAT_VERSION, Header
 from .items.dtypes import DType, FloatDType
 from .items.tensor import ShardedTensor, TensorData
 from .items.tree import Item

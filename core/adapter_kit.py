@@ -69,7 +69,8 @@ from .format.envelope import (
     restore_dtypes,
     verify_checksums,
 )
-from .format.namedmpk import Header, check_limits
+from .format.header import Header
+from .format.limits import check_limits
 from .items.checksum import crc32
 from .items.dtypes import DType, FloatDType
 from .items.tensor import ShardedTensor, ShardIndex, TensorData

@@ -98,7 +98,7 @@ def _acme(monkeypatch, tmp_path, reader):
 def test_a_third_party_reader_returning_garbage_is_refused(monkeypatch, tmp_path, returned):
     from trainrec.cli.commands import main
     from trainrec.errors import CorruptRecordError
-    from trainrec.format.namedmpk import Header
+    from trainrec.format.header import Header
 
     header = Header("a17.acme", (1, 0), "", trainrec.NativePrecisionSettings(), "X")
     got = (header, returned[1]) if returned[0] == "header" else returned

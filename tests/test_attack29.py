@@ -583,15 +583,15 @@ def test_a_payload_of_empty_chunks_is_refused_at_once(bounded):
 def test_the_chunk_rule_keeps_what_writers_write(monkeypatch):
     """Payloads cut into chunks (writers cut at `CHUNK_BYTES`, 2 GiB; here at 3 MiB) still
     load, bit for bit; a short chunk before the last, or an empty last one, is refused."""
+    import trainrec.format as fmt
     from trainrec import NamedMpkBytesRecorder
-    from trainrec.format import namedmpk as fmt
 
-    monkeypatch.setattr(fmt, "CHUNK_BYTES", 3 << 20)
+    monkeypatch.setattr(fmt.limits, "CHUNK_BYTES", 3 << 20)
     big = np.arange(2 << 20, dtype=np.float32)  # 8 MiB: three chunks
     data = NamedMpkBytesRecorder().save_item({"w": TensorData.from_array(big)})
     assert data.count(b"\xc6\x00\x30\x00\x00") == 2  # two full chunks of 3 MiB
     assert np.array_equal(NamedMpkBytesRecorder().load_item(data)["w"].array, big)
-    monkeypatch.setattr(fmt, "MIN_CHUNK_BYTES", 4 << 20)
+    monkeypatch.setattr(fmt.limits, "MIN_CHUNK_BYTES", 4 << 20)
     with pytest.raises(CorruptRecordError, match="chunk of 3145728 bytes before the last"):
         NamedMpkBytesRecorder().load_item(data)
 

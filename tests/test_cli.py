@@ -105,9 +105,9 @@ EVIL_KEYS = ["\x1b[2J\x1b[31mred", "cr\rOK: forged by cr", "nl\nOK: forged by ne
 def _evil_file(tmp_path, monkeypatch, corrupt: bool = False):
     """A record whose keys, record name, version string and file name carry terminal
     control sequences and line breaks."""
-    import trainrec.format.namedmpk as fmt
+    import trainrec.format as fmt
 
-    monkeypatch.setattr(fmt, "__version__", "0.1.0\x1b]0;pwned\x07\nOK: forged version")
+    monkeypatch.setattr(fmt.writer, "__version__", "0.1.0\x1b]0;pwned\x07\nOK: forged version")
     item = {k: TensorData.from_array(np.full(4, i, np.float32)) for i, k in enumerate(EVIL_KEYS)}
     item["\x1b[1mnested"] = {"\rOK: forged": "value\x1b[0m"}
     path = tmp_path / "evil\x1b[0m\nOK: forged name.mpk"

@@ -146,7 +146,7 @@ def test_a_walk_without_paths_meets_the_same_nodes_and_path_of_finds_their_paths
 
 
 def test_check_limits_names_the_key_it_refuses() -> None:
-    from trainrec.format.namedmpk import Limits, check_limits
+    from trainrec.format.limits import Limits, check_limits
 
     long = "x" * 100
     with pytest.raises(CorruptRecordError, match="longer than readers accept") as e:

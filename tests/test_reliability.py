@@ -477,7 +477,7 @@ def test_a_disk_without_room_fails_before_writing_and_keeps_the_old_file(tmp_pat
 
     monkeypatch.setattr(_atomic, "_fallocate", full_disk)
     written = []
-    real_write = trainrec.format.namedmpk.write_document
+    real_write = trainrec.format.writer.write_document
     monkeypatch.setattr(trainrec.recorders.namedmpk, "write_document",
                         lambda *a, **k: written.append(1) or real_write(*a, **k))
     big = {"w": TensorData.from_array(np.zeros(8 << 20, np.float32))}  # 32 MiB: reserved first

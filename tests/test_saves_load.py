@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import trainrec
+import trainrec.format as fmt
 from trainrec import (
     CorruptRecordError,
     GradientsAccumulator,
@@ -22,7 +23,6 @@ from trainrec import (
     TensorData,
     TrainingRecord,
 )
-from trainrec.format import namedmpk as fmt
 
 NATIVE = NativePrecisionSettings()
 

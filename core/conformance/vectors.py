@@ -160,7 +160,7 @@ def vector_dir() -> Path:
 @contextlib.contextmanager
 def _pinned_version(version: str) -> Iterator[None]:
     """Write with the trainrec version a vector records, so its bytes can match."""
-    names = ["trainrec.format.namedmpk", "trainrec.format.envelope"]
+    names = ["trainrec.format.writer", "trainrec.format.envelope"]
     saved = {n: sys.modules[n].__version__ for n in names if n in sys.modules}
     for n in saved:
         sys.modules[n].__version__ = version  # type: ignore[attr-defined]

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format.namedmpk import Header
+from ..format.header import Header
 from ..items.tensor import TensorData
 from ..items.tree import Item, map_leaves
 from ..recorders.burn import (

@@ -29,7 +29,7 @@ from ..items.dtypes import DType
 from ..items.tensor import TensorData
 from ..items.tree import Item, iter_tensors, map_tensors
 from ..precision import PrecisionSettings, restore_tensor, settings_by_name
-from .namedmpk import Header
+from .header import Header
 
 __all__ = [
     "header_fields",

@@ -60,7 +60,9 @@ from ..errors import (
     reading,
 )
 from ..format import cbor
-from ..format.namedmpk import Ext, Header, Limits, decode_msgpack
+from ..format.header import Header
+from ..format.limits import Limits
+from ..format.parser import Ext, decode_msgpack
 from ..items.dtypes import DType
 from ..items.tensor import TensorData
 from ..items.tree import Item, iter_tensors, join_key

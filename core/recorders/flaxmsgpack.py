@@ -38,7 +38,9 @@ from ..format.envelope import (
     restore_dtypes,
     verify_checksums,
 )
-from ..format.namedmpk import Ext, Header, Limits, check_limits, decode_msgpack
+from ..format.header import Header
+from ..format.limits import Limits, check_limits
+from ..format.parser import Ext, decode_msgpack
 from ..items.checksum import crc32
 from ..items.dtypes import DType
 from ..items.tensor import TensorData

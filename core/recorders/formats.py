@@ -48,7 +48,7 @@ from ..errors import (
 from ..storage.files import kind_of, open_regular
 
 if TYPE_CHECKING:
-    from ..format.namedmpk import Header
+    from ..format.header import Header
     from ..items.tree import Item
     from ..training.protocols import PrecisionSettings
     from .namedmpk import RecorderBase

@@ -22,14 +22,10 @@ from ..errors import (
     RecordMismatchError,
     reading,
 )
-from ..format.namedmpk import (
-    ALIGNMENT,
-    Header,
-    check_magic,
-    document_size_estimate,
-    read_document,
-    write_document,
-)
+from ..format.header import Header
+from ..format.limits import ALIGNMENT
+from ..format.reader import check_magic, read_document
+from ..format.writer import document_size_estimate, write_document
 from ..items.tensor import handing_out
 from ..items.tree import Item, check_item
 from ..precision import FullPrecisionSettings, HalfPrecisionSettings, NativePrecisionSettings

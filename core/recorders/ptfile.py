@@ -35,7 +35,8 @@ from ..format.envelope import (
     restore_dtypes,
     verify_checksums,
 )
-from ..format.namedmpk import Header, Limits
+from ..format.header import Header
+from ..format.limits import Limits
 from ..items.checksum import crc32
 from ..items.dtypes import DType
 from ..items.tensor import TensorData

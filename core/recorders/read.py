@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import CorruptRecordError, RecorderError, reading
 from ..format.envelope import path_arg
-from ..format.namedmpk import Header
+from ..format.header import Header
 from ..items.tree import Item, check_item
 from ..storage.files import open_regular
 from ..storage.location import is_url

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import CorruptRecordError, FileMissingError, RecorderError, reading
-from ..format.namedmpk import Header
+from ..format.header import Header
 from ..items.tree import Item
 from ..storage.commit import COMMIT_SUFFIX, checkpoint_url, expectations, read_commit
 from ..storage.location import Store, download, expecting, filesystem, object_size

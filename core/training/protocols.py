@@ -18,7 +18,7 @@ from ..items.dtypes import DType
 from ..precision import PrecisionSettings
 
 if TYPE_CHECKING:
-    from ..format.namedmpk import Header
+    from ..format.header import Header
     from ..items.tree import Item
     from .records import StateRecord
 
