@@ -579,25 +579,30 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
         convert(run.record(K), template, rules=rules, use_template=["lr"])
 
 
-def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):
-    """torch, JAX and numpy records convert from a source tree with no entry points
-    installed (PYTHONPATH use, a stale egg-info): the registry's defaults find them."""
+def test_the_bundled_forms_come_through_entry_points(monkeypatch):
+    """Issue 30: the torch, JAX and numpy forms are declared in trainrec's entry points
+    (group `trainrec.neutral`), as a third party's are; core builds in only its own Burn
+    form. With the installation metadata they are found; without it (a source tree on
+    PYTHONPATH, a stale egg-info) only Burn's is, and the refusal says how to declare one.
+    (Before issue 30 core named the adapters' forms in a default table.)"""
     from importlib import metadata
     from types import SimpleNamespace
 
     import trainrec.conversion.convert as tc
 
+    kinds = [("torch.nn.Module", "torch"), ("jax.pytree", "jax"), ("trainrec.numpy.MLP", "trainrec.numpy"),
+             ("flax.nnx.Module", "flax.nnx"), ("equinox.Module", "equinox")]
+    declared = {ep.name: ep.value for ep in metadata.entry_points(group=tc.ENTRY_POINT_GROUP)}
+    for kind, name in kinds:
+        assert declared[name].startswith("trainrec.adapters.")
+        assert tc.form_for(SimpleNamespace(model=SimpleNamespace(kind=kind))).name == name
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
     monkeypatch.setattr(tc, "_loaded", {})
-    for kind, name in [("torch.nn.Module", "torch"), ("jax.pytree", "jax"),
-                       ("trainrec.numpy.MLP", "trainrec.numpy"), ("flax.nnx.Module", "flax.nnx"),
-                       ("equinox.Module", "equinox")]:
-        rec = SimpleNamespace(model=SimpleNamespace(kind=kind))
-        assert tc.form_for(rec).name == name
-    unknown = SimpleNamespace(model=SimpleNamespace(kind="acme.Net"), optimizer=SimpleNamespace(kind="acme.SGD"),
-                              scheduler=None)
-    with pytest.raises(tc.ConversionError, match="acme.Net"):
-        tc.form_for(unknown)
+    assert tc.form_for(SimpleNamespace(model=SimpleNamespace(kind="burn.Module"))).name == "burn"
+    torch = SimpleNamespace(model=SimpleNamespace(kind="torch.nn.Module"), optimizer=SimpleNamespace(kind="torch.optim.SGD"),
+                            scheduler=None)
+    with pytest.raises(tc.ConversionError, match="torch.nn.Module.*entry-point group 'trainrec.neutral'"):
+        tc.form_for(torch)
 
 
 def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
