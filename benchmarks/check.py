@@ -30,7 +30,7 @@ from torch import nn
 
 import trainrec
 import trainrec.adapters.torch as trt
-from trainrec.check import default_ats
+from trainrec.check.resume import default_ats
 
 
 @trainrec.record

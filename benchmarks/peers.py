@@ -32,7 +32,7 @@ def raw(reserve: bool = False) -> tuple[Save, Load]:
     the file's blocks are allocated first, as trainrec's file recorders do."""
     import torch
 
-    from trainrec import _atomic
+    from trainrec.storage import atomic as _atomic
 
     layout: dict[str, tuple[int, int, Any, tuple[int, ...]]] = {}
 

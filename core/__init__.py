@@ -7,13 +7,10 @@ own counters and RNG, so the resumed run is bitwise identical to one that never 
 Importing trainrec imports no framework; adapters live in `trainrec.adapters.*`.
 """
 
+from . import errors as _errors
 from ._version import __version__
-from .accumulator import GradientsAccumulator
-from .array_api import ArrayApiAdapter, ArrayApiBackend
-from .changes import UncheckedIdentityWarning
-from .check import ResumeReport, check_resume
-from .convert import register_neutral_form
-from .dtypes import DType, FloatDType
+from .check.resume import ResumeReport, check_resume
+from .conversion.convert import register_neutral_form
 from .errors import (
     ChecksumError,
     CorruptRecordError,
@@ -23,12 +20,11 @@ from .errors import (
     RecordMismatchError,
     UnsupportedVersionError,
 )
-from .flaxmsgpack import FlaxMsgpackFileRecorder
-from .format import FORMAT_NAME, FORMAT_VERSION, Header
-from .formats import Format, register_format
-from .gradients import GradientsParams, GradientsParamsRecord
-from .items import Item
-from .manager import CheckpointManager, KeepBest, Preemption
+from .format.header import FORMAT_NAME, FORMAT_VERSION, Header
+from .items.dtypes import DType, FloatDType
+from .items.tensor import ShardedTensor, TensorData
+from .items.tree import Item
+from .manager.local import CheckpointManager, KeepBest, Preemption
 from .precision import (
     BF16PrecisionSettings,
     DoublePrecisionSettings,
@@ -39,7 +35,23 @@ from .precision import (
     first_lossy,
     is_lossless,
 )
-from .protocols import (
+from .recorders import burn as _burn
+from .recorders import formats as _formats
+from .recorders.flaxmsgpack import FlaxMsgpackFileRecorder
+from .recorders.formats import Format, register_format
+from .recorders.namedmpk import (
+    CompactRecorder,
+    DefaultRecorder,
+    NamedMpkBytesRecorder,
+    NamedMpkFileRecorder,
+    NamedMpkGzFileRecorder,
+)
+from .recorders.read import read_file
+from .training.accumulator import GradientsAccumulator
+from .training.array_api import ArrayApiAdapter, ArrayApiBackend
+from .training.changes import UncheckedIdentityWarning
+from .training.gradients import GradientsParams, GradientsParamsRecord
+from .training.protocols import (
     AutodiffBackend,
     AutodiffModule,
     Backend,
@@ -51,19 +63,23 @@ from .protocols import (
     Record,
     Recorder,
 )
-from .recorders import (
-    CompactRecorder,
-    DefaultRecorder,
-    NamedMpkBytesRecorder,
-    NamedMpkFileRecorder,
-    NamedMpkGzFileRecorder,
-    read_file,
-)
-from .records import RngRecord, StateRecord, record
-from .registry import Adapter, adapt, register_adapter
-from .tensor import ShardedTensor, TensorData
-from .training import RestoredTraining, TrainingRecord
-from .workload import Parts, Workload, train_until
+from .training.record import RestoredTraining, TrainingRecord
+from .training.records import RngRecord, StateRecord, record
+from .training.registry import Adapter, adapt, register_adapter
+from .workload.loop import Parts, Workload, train_until
+
+
+def _burn_layout(record: object) -> dict[str, Item] | None:
+    """A Bin template laid out from another adapter's record by the neutral forms; the
+    conversion layer sits above the recorders', so the package wires it here."""
+    from .conversion.burn_neutral import burn_layout
+
+    return burn_layout(record)
+
+
+_burn.register_template_layout(_burn_layout)
+# the errors of the layers below the format registry name the reader of another format's file
+_errors.register_format_hints(_formats.reader_of, _formats.directory_reader)
 
 __all__ = [
     "__version__",

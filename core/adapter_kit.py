@@ -42,23 +42,7 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
   `Workload`, `Parts`, `train_until`.
 """
 
-from . import ptfile
-from ._atomic import atomic_write
-from ._files import json_fits, kind_of, open_regular, read_json
-from .array_api import ArrayApiAdapter, ArrayApiBackend
-from .changes import (
-    ABSENT,
-    Change,
-    UncheckedIdentityWarning,
-    field_changes,
-    for_component,
-    parse_changes,
-    same_value,
-    settle,
-    unchecked,
-)
-from .checksum import crc32
-from .convert import (
+from .conversion.convert import (
     ConversionError,
     Neutral,
     NeutralForm,
@@ -72,8 +56,9 @@ from .convert import (
     register_neutral_form,
     tensors_of,
 )
-from .dtypes import DType, FloatDType
-from .envelope import (
+from .conversion.rules import PRESETS, Rule
+from .errors import CorruptRecordError, RecorderError, RecordMismatchError
+from .format.envelope import (
     FILE_CRC_BYTES,
     CrcWriter,
     TensorTables,
@@ -84,10 +69,12 @@ from .envelope import (
     restore_dtypes,
     verify_checksums,
 )
-from .errors import CorruptRecordError, RecorderError, RecordMismatchError
-from .format import Header, check_limits
-from .gradients import GradientsParams, GradientsParamsRecord
-from .items import (
+from .format.header import Header
+from .format.limits import check_limits
+from .items.checksum import crc32
+from .items.dtypes import DType, FloatDType
+from .items.tensor import ShardedTensor, ShardIndex, TensorData
+from .items.tree import (
     TENSOR_KEY,
     Item,
     check_item,
@@ -102,7 +89,27 @@ from .items import (
     walk_pairs,
 )
 from .precision import BF16PrecisionSettings, Precision, store_tensor
-from .protocols import (
+from .recorders import ptfile
+from .recorders.namedmpk import RecorderBase
+from .recorders.remote import read_url
+from .recorders.sniff import reader_of
+from .storage.atomic import atomic_write
+from .storage.files import json_fits, kind_of, open_regular, read_json
+from .storage.location import location, output
+from .training.array_api import ArrayApiAdapter, ArrayApiBackend
+from .training.changes import (
+    ABSENT,
+    Change,
+    UncheckedIdentityWarning,
+    field_changes,
+    for_component,
+    parse_changes,
+    same_value,
+    settle,
+    unchecked,
+)
+from .training.gradients import GradientsParams, GradientsParamsRecord
+from .training.protocols import (
     AutodiffBackend,
     AutodiffModule,
     Backend,
@@ -114,8 +121,8 @@ from .protocols import (
     Record,
     Recorder,
 )
-from .recorders import RecorderBase
-from .records import (
+from .training.record import TrainingRecord
+from .training.records import (
     RngRecord,
     StateRecord,
     cast_problem,
@@ -124,14 +131,8 @@ from .records import (
     kind_mismatches,
     record,
 )
-from .registry import Adapter, adapt, register_adapter
-from .remote import read_url
-from .rules import PRESETS, Rule
-from .sniff import reader_of
-from .storage import location, output
-from .tensor import ShardedTensor, ShardIndex, TensorData
-from .training import TrainingRecord
-from .workload import Parts, Workload, train_until
+from .training.registry import Adapter, adapt, register_adapter
+from .workload.loop import Parts, Workload, train_until
 
 __all__ = [
     "ABSENT",

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = [
+    "HINT_BYTES",
+    "format_hint",
+    "register_format_hints",
     "reading",
     "RecorderError",
     "FileMissingError",
@@ -95,13 +98,31 @@ def reading(source: str) -> Iterator[None]:
         raise RecorderError(f"cannot read checkpoint: {e}", source=source) from e
 
 
+HINT_BYTES = 64
+"""How many leading bytes of a file `format_hint` looks at (the format registry's sniff)."""
+
+_by_head: Callable[[bytes, str], str] | None = None
+_by_directory: Callable[[str], str] | None = None
+
+
+def register_format_hints(by_head: Callable[[bytes, str], str],
+                          by_directory: Callable[[str], str]) -> None:
+    """Give every layer's errors the format registry's sentences (this module sits below
+    the registry and never imports it; `trainrec/__init__.py` wires them).
+    `by_head(head, not_)` names the reader of a file starting with `head` unless it is of
+    format `not_`; `by_directory(path)` the reader of a checkpoint directory; "" for none."""
+    global _by_head, _by_directory
+    _by_head, _by_directory = by_head, by_directory
+
+
+def format_hint(head: bytes, *, not_: str) -> str:
+    """A sentence to append to a wrong-magic error: which recorder (or
+    `trainrec.read_file`) reads a file starting with `head`; "" when it is of format
+    `not_` or of no format trainrec knows."""
+    return "" if _by_head is None else _by_head(bytes(head[:HINT_BYTES]), not_)
+
+
 def _directory_hint(path: str) -> str:
     """Which recorder reads the checkpoint directory `path` (a format of directories, such
     as Orbax's), for the error a file recorder gives it; "" when none claims it."""
-    from .formats import resolve_directory_format
-
-    try:
-        fmt = resolve_directory_format(path)
-    except RecorderError:
-        return ""
-    return f"; this is {fmt.description or fmt.name}, and trainrec.read_file reads any of them"
+    return "" if _by_directory is None else _by_directory(path)

@@ -33,7 +33,7 @@ from mypy.typevars import fill_typevars
 
 __all__ = ["plugin"]
 
-_RECORD = {"trainrec.records.record", "trainrec.record"}
+_RECORD = {"trainrec.training.records.record", "trainrec.record"}
 
 
 class TrainrecPlugin(Plugin):
@@ -46,8 +46,8 @@ class TrainrecPlugin(Plugin):
 def _add_record_methods(ctx: ClassDefContext) -> None:
     info = ctx.cls.info
     anything = AnyType(TypeOfAny.special_form)
-    settings = ctx.api.named_type_or_none("trainrec.protocols.PrecisionSettings") or anything
-    item = _alias(ctx, "trainrec.items.Item") or anything
+    settings = ctx.api.named_type_or_none("trainrec.precision.PrecisionSettings") or anything
+    item = _alias(ctx, "trainrec.items.tree.Item") or anything
     if "into_item" not in info.names:
         add_method_to_class(
             ctx.api, ctx.cls, "into_item",

@@ -14,17 +14,17 @@ otherwise), and loads it with `restore_tensor`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .dtypes import DType
 from .errors import LossyPrecisionError
-from .items import Item, iter_tensors, map_tensors
-from .protocols import PrecisionSettings
-from .tensor import TensorData
+from .items.dtypes import DType
+from .items.tensor import TensorData
+from .items.tree import Item, iter_tensors, map_tensors
 
 __all__ = [
+    "PrecisionSettings",
     "Precision",
     "FullPrecisionSettings",
     "HalfPrecisionSettings",
@@ -39,6 +39,24 @@ __all__ = [
     "is_lossless",
     "first_lossy",
 ]
+
+
+@runtime_checkable
+class PrecisionSettings(Protocol):
+    """Which dtype float and signed int tensors are stored in (`None`: keep their own).
+
+    `target(dtype)` gives the stored dtype of a tensor of `dtype`; unsigned int and bool
+    tensors (bit patterns) and scalars are never converted. `name` identifies the
+    settings in file headers.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def float_dtype(self) -> DType | None: ...
+    @property
+    def int_dtype(self) -> DType | None: ...
+    def target(self, dtype: DType) -> DType: ...
 
 
 @dataclass(frozen=True)

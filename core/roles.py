@@ -13,7 +13,7 @@ nothing but the checkpoint file:
   one loads, and no resume starts from objects an earlier one touched.
 
 `trainrec demo` and the conformance suite's fresh-process test run these; their final
-records are compared with `trainrec.items.compare_items`.
+records are compared with `trainrec.items.tree.compare_items`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .accumulator import GradientsAccumulator
 from .precision import NativePrecisionSettings
-from .recorders import NamedMpkBytesRecorder, NamedMpkFileRecorder
-from .training import TrainingRecord
-from .workload import Parts, Workload, load_workload, recorders_for, train_until
+from .recorders.namedmpk import NamedMpkBytesRecorder, NamedMpkFileRecorder
+from .training.accumulator import GradientsAccumulator
+from .training.record import TrainingRecord
+from .workload.loop import Parts, Workload, load_workload, recorders_for, train_until
 
 __all__ = ["checkpoint_path", "role_command", "run_role"]
 

@@ -1,30 +1,9 @@
-"""Which format a file is, told from its first bytes by the format registry
-(`trainrec.formats`), so a recorder given another recorder's file can say which one reads
-it (and `read_file` can pick it)."""
+"""`trainrec.sniff`, the path the README and spec name: an alias of `trainrec.recorders.sniff`
+(the same module object, so attributes set on one are set on the other)."""
 
-from __future__ import annotations
+import sys
 
-from .formats import SNIFF_BYTES, sniff_format
+from .recorders import sniff as _module
+from .recorders.sniff import *  # noqa: F403  (the names, for type checkers)
 
-__all__ = ["HEAD_BYTES", "format_of", "reader_of"]
-
-HEAD_BYTES = SNIFF_BYTES
-"""How many leading bytes `format_of` looks at."""
-
-
-def format_of(head: bytes) -> str | None:
-    """The name of the first registered format whose sniff accepts `head` (e.g.
-    "trainrec.namedmpk", "trainrec.torch"), or None: unknown, or a NamedMpk header whose
-    format name is damaged."""
-    fmt = sniff_format(head)
-    return None if fmt is None else fmt.name
-
-
-def reader_of(head: bytes, *, not_: str) -> str:
-    """A sentence to append to a wrong-magic error: which recorder (or
-    `trainrec.read_file`) reads a file starting with `head`; "" when it is of format
-    `not_` or of no format trainrec knows."""
-    fmt = sniff_format(head)
-    if fmt is None or fmt.name == not_:
-        return ""
-    return f"; this is {fmt.description or fmt.name}, and trainrec.read_file reads any of them"
+sys.modules[__name__] = _module

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .check import ResumeReport, check_resume
+from .check.resume import ResumeReport, check_resume
 
 __all__ = ["assert_exact_resume"]
 
@@ -26,7 +26,7 @@ def assert_exact_resume(workload: Any, **options: Any) -> ResumeReport:
     `check_resume(workload, **options)` does (`at=`, `steps=`, `window=`, `recorder=`,
     `nproc=`, ...) and return the report. Raises `AssertionError` whose message is the
     report (each resume's first divergence and its likely cause) when any resume diverges;
-    a workload that fails itself raises `trainrec.check.WorkloadError`."""
+    a workload that fails itself raises `trainrec.check.resume.WorkloadError`."""
     report = check_resume(workload, **options)
     if not report.exact:
         raise AssertionError(f"the resume is not bitwise exact\n{report}")

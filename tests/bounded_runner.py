@@ -42,7 +42,7 @@ def _run(case: dict) -> str:
     from trainrec import RecorderError
 
     if case["kind"] == "cli":
-        from trainrec.cli import main
+        from trainrec.cli.commands import main
 
         out = io.StringIO()
         try:
@@ -113,7 +113,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         cases = json.load(f)
     import trainrec  # noqa: F401 - imported once, before the forks
-    import trainrec.cli  # noqa: F401
+    import trainrec.cli.commands  # noqa: F401
 
     for name in {c.get("recorder") for c in cases} | {"torch", "flax"}:
         if name in ("torch", "flax", "orbax"):

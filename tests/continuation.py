@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trainrec import read_file
-from trainrec.items import compare_items
+from trainrec.items.tree import compare_items
 from trainrec.roles import checkpoint_path
 
 STEPS, WINDOW = 12, 4

@@ -340,9 +340,9 @@ def check_not_fully_addressable_is_captured_as_shards_only_orbax_saves() -> None
 
     from jax._src.array import ArrayImpl
 
-    from trainrec.envelope import crc_of
-    from trainrec.formats import known_formats
-    from trainrec.items import compare_items
+    from trainrec.format.envelope import crc_of
+    from trainrec.items.tree import compare_items
+    from trainrec.recorders.formats import known_formats
 
     x = jax.device_put(np.arange(16, dtype=np.float32).reshape(8, 2), NamedSharding(mesh_of("same"), P("data")))
     original = ArrayImpl.is_fully_addressable

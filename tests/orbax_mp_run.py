@@ -47,7 +47,7 @@ import trainrec  # noqa: E402
 from trainrec import GradientsAccumulator, NativePrecisionSettings, TrainingRecord  # noqa: E402
 from trainrec.adapters.jax import JaxModule, JaxOptimizer, OrbaxRecorder, grads_from, to_tree  # noqa: E402
 from trainrec.adapters.jax.orbax_recorder import shardings_of  # noqa: E402
-from trainrec.items import iter_tensors  # noqa: E402
+from trainrec.items.tree import iter_tensors  # noqa: E402
 
 NATIVE = NativePrecisionSettings()
 WINDOW, STOP, END = 4, 6, 11

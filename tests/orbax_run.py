@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import trainrec  # noqa: E402
 from trainrec import GradientsAccumulator, NativePrecisionSettings, TrainingRecord  # noqa: E402
 from trainrec.adapters.jax import JaxModule, JaxOptimizer, OrbaxRecorder, grads_from, to_tree  # noqa: E402
-from trainrec.items import compare_items, iter_tensors  # noqa: E402
+from trainrec.items.tree import compare_items, iter_tensors  # noqa: E402
 
 NATIVE = NativePrecisionSettings()
 WINDOW, STOP, END = 4, 6, 12

@@ -1,10 +1,11 @@
 """Adapters import trainrec only through its public surface: `trainrec` and the one
 adapter-author module `trainrec.adapter_kit` (spec/ADAPTERS.md), never a private module
-such as `trainrec._atomic` nor a module of core's layout such as `trainrec.records`."""
+such as `trainrec.storage.atomic` nor a module of core's layout such as `trainrec.training.records`."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ SOURCES = sorted([*ROOT.joinpath("adapters").rglob("*.py"),
 PUBLIC = ("trainrec", "trainrec.adapter_kit", "trainrec.conformance")
 
 # Not yet moved to the kit: the file recorders, which other work in progress (the format
-# registry, issue 17 item 3) is rewriting; they still import `trainrec._atomic`,
-# `trainrec.envelope`, `trainrec.sniff`, ... Remove each entry once its file is fixed.
+# registry, issue 17 item 3) is rewriting; they still import `trainrec.storage.atomic`,
+# `trainrec.format.envelope`, `trainrec.recorders.sniff`, ... Remove each entry once its file is fixed.
 NOT_YET: set[str] = set()
 
 
@@ -69,30 +70,51 @@ def test_the_kit_exports_what_it_lists() -> None:
         assert name in kit.__all__, name
 
 
-def test_core_names_adapter_modules_only_in_the_registries_defaults() -> None:
-    """Issue 17: core works through registries; the only code in core/ that names an
-    adapter module is the defaults of the format, neutral-form and workload registries
-    (docstrings and comments may mention them)."""
+_MODULE_PATH = re.compile(r"(?<![\w-])(trainrec\.)?adapters\.[A-Za-z_]")
+
+
+def _adapter_names(root: Path) -> list[str]:
+    """Where the modules under `root` import an adapter or name an adapter module in a
+    string that is not a docstring."""
     import ast
 
-    allowed = {("formats.py", "_BUILTIN"), ("convert.py", "_BUILTIN"), ("workload.py", "BUNDLED"),
-               ("check_state.py", "_ADAPTER_RECORDERS")}  # the names `trainrec check --recorder` takes
-    core = Path(trainrec.__file__).parent
     found = []
-    for path in sorted(core.rglob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
         docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)
                       and isinstance(n.value, ast.Constant)}
-        spans = [(n.lineno, n.end_lineno or n.lineno) for n in ast.walk(tree)
-                 if isinstance(n, (ast.Assign, ast.AnnAssign))
-                 and any(isinstance(t, ast.Name) and (path.name, t.id) in allowed
-                         for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
         for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n == "adapters" or n.startswith("adapters.") or "trainrec.adapters" in n
+                       for n in names):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: import")
+                continue
             texts = [node.value] if isinstance(node, ast.Constant) and isinstance(node.value, str) else []
             if isinstance(node, ast.JoinedStr):
                 texts = ["".join(v.value for v in node.values if isinstance(v, ast.Constant))]
-            if id(node) in docstrings or not any("trainrec.adapters." in t for t in texts):
-                continue
-            if not any(lo <= node.lineno <= hi for lo, hi in spans):
-                found.append(f"{path.relative_to(core)}:{node.lineno}")
-    assert not found, f"core names adapter modules outside the registries' defaults: {found}"
+            if id(node) not in docstrings and any(_MODULE_PATH.search(t) for t in texts):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {texts[0][:60]!r}")
+    return found
+
+
+def test_core_names_no_adapter_module() -> None:
+    """Issue 30: the bundled adapters register their formats, neutral forms, workloads and
+    check recorders through entry points, as a third party's do; no code in core/ imports
+    an adapter or names an adapter module in a string, not even in a default or a lazy
+    table (docstrings may mention them). The entry-point group `"trainrec.adapters"` is a
+    group name, not a module path."""
+    found = _adapter_names(Path(trainrec.__file__).parent)
+    assert not found, f"core names adapter modules: {found}"
+
+
+def test_the_adapter_check_catches_a_planted_default(tmp_path) -> None:
+    """The check fails on a default naming an adapter module (the kind issue 17 allowed
+    and issue 30 removed) and on an adapter import, and passes the group's name."""
+    (tmp_path / "table.py").write_text(
+        '"""Docstrings may say trainrec.adapters.torch."""\n'
+        'GROUP = "trainrec.adapters"\n'
+        'DEFAULTS = {"torch": "trainrec.adapters.torch.neutral:FORM"}\n')
+    (tmp_path / "lazy.py").write_text("def f():\n    from .adapters.jax import ADAPTER\n    return ADAPTER\n")
+    assert _adapter_names(tmp_path) == ["lazy.py:2: import",
+                                        "table.py:3: 'trainrec.adapters.torch.neutral:FORM'"]

@@ -8,10 +8,10 @@ import pytest
 
 import trainrec
 from trainrec import GradientsAccumulator, NamedMpkBytesRecorder, TrainingRecord
-from trainrec import rules as rules_mod
 from trainrec.adapters.numpy import MLP, Adam
-from trainrec.convert import ConversionError, convert
-from trainrec.rules import Rule
+from trainrec.conversion import rules as rules_mod
+from trainrec.conversion.convert import ConversionError, convert
+from trainrec.conversion.rules import Rule
 
 
 @trainrec.record
@@ -84,7 +84,7 @@ def test_a_transform_returning_no_array_is_refused(monkeypatch):
 # result is checked (a third party's tree with `check_item`) and a reader's
 # non-RecorderError failure is a CorruptRecordError naming the format and the file.
 def _acme(monkeypatch, tmp_path, reader):
-    from trainrec import formats
+    from trainrec.recorders import formats
 
     monkeypatch.setattr(formats, "_registered", [])
     formats.register_format(formats.Format("a17.acme", (".acme",), lambda h: h.startswith(b"A17\n"),
@@ -96,9 +96,9 @@ def _acme(monkeypatch, tmp_path, reader):
 
 @pytest.mark.parametrize("returned", ["text", ("text", {}), ("header", {"x": {1, 2}})])
 def test_a_third_party_reader_returning_garbage_is_refused(monkeypatch, tmp_path, returned):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
     from trainrec.errors import CorruptRecordError
-    from trainrec.format import Header
+    from trainrec.format.header import Header
 
     header = Header("a17.acme", (1, 0), "", trainrec.NativePrecisionSettings(), "X")
     got = (header, returned[1]) if returned[0] == "header" else returned
@@ -110,7 +110,7 @@ def test_a_third_party_reader_returning_garbage_is_refused(monkeypatch, tmp_path
 
 
 def test_a_third_party_reader_raising_is_a_corrupt_record_error(monkeypatch, tmp_path):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
     from trainrec.errors import CorruptRecordError
 
     def reader(path, mmap):
@@ -138,8 +138,8 @@ def test_a_rule_keeps_a_0d_tensor_0d():
 def test_a_scalar_parameter_converts_as_a_scalar(monkeypatch):
     _transform(monkeypatch, "a17_keep", lambda a: a)
     plans, _ = rules_mod.plan_rules([Rule("s", "t", transform="a17_keep")], {"s": ()}, {"t": ()})
-    from trainrec.convert import _apply
-    from trainrec.tensor import TensorData
+    from trainrec.conversion.convert import _apply
+    from trainrec.items.tensor import TensorData
 
     out = _apply(plans["t"], [TensorData.from_array(np.array(2.5, np.float32))])
     assert out.shape == () and out.read().shape == ()
@@ -161,7 +161,6 @@ def test_array_api_backend_uploads_a_0d_array_as_0d(library):
 def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(monkeypatch):
     pytest.importorskip("torch")
     from trainrec import StateRecord, TensorData
-    from trainrec import convert as convert_mod
     from trainrec.adapter_kit import (
         GradientsParamsRecord,
         Neutral,
@@ -171,6 +170,7 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
         register_neutral_form,
         tensors_of,
     )
+    from trainrec.conversion import convert as convert_mod
 
     class ToyForm:
         name, kinds, keeps_rate, rng_markers = "toyfw", ("toyfw",), False, frozenset()
@@ -246,7 +246,7 @@ def test_a_rule_with_nested_quantifiers_is_bounded_in_time():
     import subprocess
     import sys
 
-    code = ("from trainrec.rules import Rule, plan_rules\n"
+    code = ("from trainrec.conversion.rules import Rule, plan_rules\n"
             "plan_rules([Rule('(a+)+b', 't')], {'a' * 40: (1,)}, {'t': (1,)})\n")
     try:
         subprocess.run([sys.executable, "-c", code], timeout=5, check=True)
@@ -262,7 +262,7 @@ def test_a_rule_with_nested_quantifiers_is_bounded_in_time():
                                    ["--lr", "0.1"], ["--force"], ["--drop-rng"], ["--allow-lossy"],
                                    ["--map", "{rules}"]])
 def test_convert_to_mpk_refuses_the_conversion_options(tmp_path, capsys, extra):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     src = tmp_path / "a.mpk"
     _numpy_record(0).save(trainrec.DefaultRecorder(), src)
@@ -278,7 +278,7 @@ def test_convert_to_mpk_refuses_the_conversion_options(tmp_path, capsys, extra):
 # Defect 6: a rules file nested deeply (`[[[...]]]`) ended the CLI in a RecursionError
 # traceback; a file that is not UTF-8 was refused without naming the file.
 def test_a_deeply_nested_or_binary_rules_file_is_refused_naming_it(tmp_path, capsys):
-    from trainrec.rules import load_rules
+    from trainrec.conversion.rules import load_rules
 
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 200_000 + "]" * 200_000)

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import trainrec
-import trainrec.manager
+import trainrec.manager.local
 from trainrec import (
     CheckpointManager,
     CorruptRecordError,
@@ -312,7 +312,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
 def test_a_step_that_exists_is_never_replaced_even_without_the_lock(tmp_path, monkeypatch):
     """Two managers where the file system has no locks (simulated): the second save of one
     step is refused and the first checkpoint stays, byte for byte."""
-    import trainrec.manager as manager
+    import trainrec.manager.local as manager
 
     monkeypatch.setattr(manager, "_lock", lambda fd: None)
     with pytest.warns(UserWarning, match="has no locks"):
@@ -336,7 +336,7 @@ def test_metrics_of_another_save_are_never_taken_for_the_checkpoint_s(tmp_path):
         mgr = CheckpointManager(tmp_path / name)
         mgr.save(3, _record(3), metrics={"loss": loss}, block=True)
         mgr.close()
-    if trainrec.manager._save_id_of(tmp_path / "a" / "step-00000003.mpk") is None:
+    if trainrec.manager.local._save_id_of(tmp_path / "a" / "step-00000003.mpk") is None:
         pytest.skip("this file system keeps no extended attributes")
     shutil.copy(tmp_path / "b" / "step-00000003.metrics.json", tmp_path / "a" / "step-00000003.metrics.json")
     mgr = CheckpointManager(tmp_path / "a", keep_last=1, best=("loss", "min", 1))
@@ -583,15 +583,15 @@ def test_a_payload_of_empty_chunks_is_refused_at_once(bounded):
 def test_the_chunk_rule_keeps_what_writers_write(monkeypatch):
     """Payloads cut into chunks (writers cut at `CHUNK_BYTES`, 2 GiB; here at 3 MiB) still
     load, bit for bit; a short chunk before the last, or an empty last one, is refused."""
+    import trainrec.format as fmt
     from trainrec import NamedMpkBytesRecorder
-    from trainrec import format as fmt
 
-    monkeypatch.setattr(fmt, "CHUNK_BYTES", 3 << 20)
+    monkeypatch.setattr(fmt.limits, "CHUNK_BYTES", 3 << 20)
     big = np.arange(2 << 20, dtype=np.float32)  # 8 MiB: three chunks
     data = NamedMpkBytesRecorder().save_item({"w": TensorData.from_array(big)})
     assert data.count(b"\xc6\x00\x30\x00\x00") == 2  # two full chunks of 3 MiB
     assert np.array_equal(NamedMpkBytesRecorder().load_item(data)["w"].array, big)
-    monkeypatch.setattr(fmt, "MIN_CHUNK_BYTES", 4 << 20)
+    monkeypatch.setattr(fmt.limits, "MIN_CHUNK_BYTES", 4 << 20)
     with pytest.raises(CorruptRecordError, match="chunk of 3145728 bytes before the last"):
         NamedMpkBytesRecorder().load_item(data)
 
@@ -634,7 +634,7 @@ def test_convert_refuses_a_dcp_directory_and_writes_nothing(tmp_path, capsys):
     "tensors 0" (the reader's view of the entries, under a TrainingRecord header)."""
     torch = pytest.importorskip("torch")
     trt = pytest.importorskip("trainrec.adapters.torch")
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -650,7 +650,7 @@ def test_convert_refuses_a_dcp_directory_and_writes_nothing(tmp_path, capsys):
 
 
 def test_convert_refuses_a_training_record_header_over_another_item(tmp_path, capsys):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     src = NamedMpkFileRecorder().save_item({"not": "a record"}, tmp_path / "x.mpk", "TrainingRecord")
     assert main(["convert", str(src), str(tmp_path / "out.mpk"), "--to", "mpk"]) == 3
@@ -699,7 +699,7 @@ def test_a_forgery_with_recomputed_checksums_loads_as_the_docs_say(tmp_path, cap
     and loads, passing `trainrec verify`, once the file checksum is recomputed."""
     import zlib
 
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     r = trainrec.FlaxMsgpackFileRecorder(NATIVE)
     path = r.save_item({"maximize": False, "w": TensorData.from_array(np.ones(2, np.float32))},

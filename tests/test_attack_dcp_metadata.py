@@ -122,7 +122,7 @@ def test_two_entries_of_one_length_swapped_are_a_checksum_error(ckpt, a, b, caps
     meta.storage_data[ia], meta.storage_data[ib] = meta.storage_data[ib], meta.storage_data[ia]
     _write_metadata(ckpt, meta, forge=False)
     _refused(ckpt, ChecksumError, r"DCP's \.metadata is damaged: \d+ bytes with CRC-32")
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     assert main(["verify", str(ckpt)]) == 1
     assert "CORRUPT" in capsys.readouterr().out
@@ -244,7 +244,7 @@ def _verify_in_a_child(path: Path, timeout: float = 30) -> dict:
     import signal
     import time
 
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     rd, wr = os.pipe()
     pid = os.fork()

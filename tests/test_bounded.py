@@ -25,6 +25,7 @@ import pytest
 from same_items import same
 
 import trainrec
+import trainrec.format as fmt
 from trainrec import (
     FullPrecisionSettings,
     NamedMpkBytesRecorder,
@@ -35,7 +36,6 @@ from trainrec import (
     TensorData,
     UnsupportedVersionError,
 )
-from trainrec import format as fmt
 
 HERE = Path(__file__).parent
 MIB = 1 << 20
@@ -145,7 +145,7 @@ def test_adapter_files_still_load_in_plain_torch_and_msgpack(tmp_path):
 
 
 def test_verify_says_what_it_checked(tmp_path, capsys):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     fl = _flax()
     ours = fl.FlaxMsgpackFileRecorder().save_item(_small_item(), tmp_path / "x.msgpack")
@@ -170,11 +170,11 @@ def test_the_writer_charges_what_the_reader_charges(settings):
              {}, [[]], {"u": "é" * 20}, [2**63, -(2**63)], [wide] * 20]
     for item in items:
         out = io.BytesIO()
-        w = fmt._Writer(out, settings)
-        fmt._write(w, item, settings, "Item", fmt.Limits())
+        w = fmt.writer._Writer(out, settings)
+        fmt.writer._write(w, item, settings, "Item", fmt.Limits())
         data = out.getvalue()
-        p = fmt._Parser(data, "<bytes>", fmt.Limits(), eager=True)
-        fmt._read_header(p)
+        p = fmt.parser._Parser(data, "<bytes>", fmt.Limits(), eager=True)
+        fmt.reader._read_header(p)
         p.value("", 1)
         p.value("item", 1)
         p.value("", 1)

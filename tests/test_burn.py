@@ -1,4 +1,4 @@
-"""Burn's own record files (`trainrec.burn`, `trainrec.burn_neutral`): the three real files
+"""Burn's own record files (`trainrec.recorders.burn`, `trainrec.conversion.burn_neutral`): the three real files
 Burn wrote (`../shared/burn/`, see its README) read, inspect, verify, re-encode byte for
 byte, and convert to torch and flax and back; torch weights written as Burnpack; Burn's
 Adam moments under the conversion's checks. Damaged and hostile files: test_burn_attack.py."""
@@ -15,17 +15,17 @@ import pytest
 
 import trainrec
 from trainrec import GradientsAccumulator, TrainingRecord, read_file
-from trainrec.burn import (
+from trainrec.cli.commands import main
+from trainrec.conversion.burn_neutral import burn_template, training_record
+from trainrec.conversion.convert import ConversionError, convert, convert_with_report
+from trainrec.items.tree import iter_tensors
+from trainrec.recorders.burn import (
     BurnNamedMpkRecorder,
     BurnpackRecorder,
     optimizer_path,
     param_id_text,
     param_id_value,
 )
-from trainrec.burn_neutral import burn_template, training_record
-from trainrec.cli import main
-from trainrec.convert import ConversionError, convert, convert_with_report
-from trainrec.items import iter_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Damaged and hostile Burn files (`trainrec.burn`): truncations, bit flips and crafted
+"""Damaged and hostile Burn files (`trainrec.recorders.burn`): truncations, bit flips and crafted
 headers of Burnpack, Burn NamedMpk (plain and gzip) and Bin files get a `RecorderError`
 (or read, where Burn's format cannot tell: it keeps no checksum), never another exception,
 and each refusal stays within a second of CPU time and the file's size in memory (measured
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import trainrec
-import trainrec.cli
-from trainrec import RecorderError, TensorData, UnsupportedVersionError, cbor, read_file
-from trainrec.burn import BurnNamedMpkRecorder, BurnpackRecorder, param_id_text
+import trainrec.cli.commands
+from trainrec import RecorderError, TensorData, UnsupportedVersionError, read_file
+from trainrec.format import cbor
+from trainrec.recorders.burn import BurnNamedMpkRecorder, BurnpackRecorder, param_id_text
 
 HERE = Path(__file__).parent
 CPU_S = 1.0
@@ -84,7 +85,7 @@ def test_the_small_files_read_back_as_written(files):
     for name in ("bpk", "mpk", "gz"):
         _, got = read_file(files[name])
         tensors = got["tensors"] if name == "bpk" else {
-            k: v for k, v in trainrec.items.iter_tensors(got["item"])}
+            k: v for k, v in trainrec.items.tree.iter_tensors(got["item"])}
         assert all(tensors[k].bitwise_equal(v) for k, v in item["tensors"].items()), name
     header, b = read_file(files["bin"], template=files["bpk"])
     assert b["item"]["fc"]["weight"].bitwise_equal(item["tensors"]["fc.weight"])
@@ -239,7 +240,7 @@ def test_a_flipped_bit_in_a_tensor_reads_and_verify_says_it_cannot_tell(files, t
     raw[-1] ^= 0x40  # inside the last tensor's bytes
     p = tmp_path / "flipped.bpk"
     p.write_bytes(bytes(raw))
-    assert trainrec.cli.main(["verify", str(p)]) == 0
+    assert trainrec.cli.commands.main(["verify", str(p)]) == 0
     assert "cannot be told" in capsys.readouterr().out
 
 
@@ -286,7 +287,7 @@ def test_a_burn_file_named_as_another_format_is_refused_naming_both(files, tmp_p
 
 
 def test_a_gzip_stream_that_grows_past_its_cap_is_refused(files, tmp_path, monkeypatch):
-    import trainrec.burn as burn
+    import trainrec.recorders.burn as burn
 
     monkeypatch.setattr(burn, "_GZ_BYTES", 100)
     monkeypatch.setattr(burn, "_GZ_RATIO", 1)

@@ -9,7 +9,7 @@ its framework), so: the bugs are checked at one `at`; a bug that lives in the re
 alone (`after_restore`) is compared with the uninterrupted run of the correct loop, which
 the CLI run of the README loop leaves in its `--workdir` (`reference=`: the same bits,
 run once); the checks of a framework run two at a time in one module-scoped fixture; and
-the exit codes other than 0 and 1 are checked in this process (`trainrec.cli.main`).
+the exit codes other than 0 and 1 are checked in this process (`trainrec.cli.commands.main`).
 Under pytest-xdist each fixture's runs are made once for all workers (`_shared_runs.once`),
 and the JAX processes share a persistent compilation cache (`_shared_runs.jax_cache_env`).
 """
@@ -29,7 +29,7 @@ import pytest
 from _shared_runs import jax_cache_env, once
 
 import trainrec
-from trainrec.check import WorkloadError, check_resume, default_ats
+from trainrec.check.resume import WorkloadError, check_resume, default_ats
 from trainrec.testing import assert_exact_resume
 
 HERE = Path(__file__).resolve().parent
@@ -277,7 +277,7 @@ def test_exit_1_and_the_json_object_for_a_divergence(numpy_exact):
 def _cli_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """`trainrec check ARGS` in this process (what `python -m trainrec` runs): the exit
     code and stderr."""
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     try:
         code = main(["check", *args])
@@ -334,7 +334,7 @@ def test_differences_are_leaf_by_leaf_with_sizes():
     import numpy as np
 
     from trainrec import TensorData
-    from trainrec.check_state import differences
+    from trainrec.check.state import differences
 
     a = {"w": TensorData.from_array(np.array([1.0, 2.0], np.float32)), "n": 3, "s": "x",
          "ids": [1, 2, 3], "only_a": 1}

@@ -1,4 +1,4 @@
-"""`trainrec.checksum.crc32` is zlib's CRC-32 whatever computes it."""
+"""`trainrec.items.checksum.crc32` is zlib's CRC-32 whatever computes it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import trainrec
-from trainrec import checksum
+from trainrec.items import checksum
 
 SIZES = [0, 1, 7, 64, (1 << 14) - 1, 1 << 14, (1 << 14) + 1, 1 << 20, (3 << 20) + 5]
 
@@ -67,7 +67,7 @@ def test_files_are_identical_under_either_implementation(tmp_path: Path) -> None
     process reads the other's file."""
     script = (
         "import sys, numpy as np, trainrec\n"
-        "from trainrec import checksum\n"
+        "from trainrec.items import checksum\n"
         "assert checksum.implementation() == 'zlib', checksum.implementation()\n"
         "rng = np.random.default_rng(3)\n"
         "item = {'w': trainrec.TensorData.from_array(rng.standard_normal(300_000).astype(np.float32)),\n"

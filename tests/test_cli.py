@@ -107,7 +107,7 @@ def _evil_file(tmp_path, monkeypatch, corrupt: bool = False):
     control sequences and line breaks."""
     import trainrec.format as fmt
 
-    monkeypatch.setattr(fmt, "__version__", "0.1.0\x1b]0;pwned\x07\nOK: forged version")
+    monkeypatch.setattr(fmt.writer, "__version__", "0.1.0\x1b]0;pwned\x07\nOK: forged version")
     item = {k: TensorData.from_array(np.full(4, i, np.float32)) for i, k in enumerate(EVIL_KEYS)}
     item["\x1b[1mnested"] = {"\rOK: forged": "value\x1b[0m"}
     path = tmp_path / "evil\x1b[0m\nOK: forged name.mpk"
@@ -216,7 +216,7 @@ def test_no_command_hangs_or_ends_in_a_traceback_on_bad_files(tmp_path):
     # blocks trips the alarm, and any exception escaping `main` is a traceback
     runner = (
         "import contextlib, io, json, signal, sys\n"
-        "from trainrec.cli import main\n"
+        "from trainrec.cli.commands import main\n"
         "signal.alarm(120)\n"
         "codes = []\n"
         "for args in json.loads(sys.argv[1]):\n"

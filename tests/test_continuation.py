@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from trainrec import read_file
-from trainrec.items import compare_items
+from trainrec.items.tree import compare_items
 from trainrec.roles import checkpoint_path
 
 STEPS, WINDOW, BASE = 16, 4, 8

@@ -20,7 +20,13 @@ import trainrec  # noqa: E402
 import trainrec.adapters.jax as trj  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
 from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord  # noqa: E402
-from trainrec.convert import ConversionError, Rule, convert, convert_with_report, load_rules  # noqa: E402
+from trainrec.conversion.convert import (  # noqa: E402
+    ConversionError,
+    Rule,
+    convert,
+    convert_with_report,
+    load_rules,
+)
 
 WINDOW, K, M = 2, 5, 7  # checkpoint after micro-step 5: one gradient pending
 

@@ -21,7 +21,7 @@ from test_convert import FlaxMLPBf16, JaxRun, K, M, S, TorchRun, batches, via_fi
 import trainrec  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
 from trainrec import NamedMpkBytesRecorder, TrainingRecord  # noqa: E402
-from trainrec.convert import MATHS, ConversionError, convert, convert_with_report  # noqa: E402
+from trainrec.conversion.convert import MATHS, ConversionError, convert, convert_with_report  # noqa: E402
 
 NATIVE = trainrec.NativePrecisionSettings()
 
@@ -217,7 +217,7 @@ def test_the_command_line_names_its_flags(tmp_path):
         source.save(native, tmp / "s.mpk")
         template.save(native, tmp / "t.mpk")
         return subprocess.run([sys.executable, "-m", "trainrec", "convert", str(tmp / "s.mpk"), str(tmp / "d.mpk"),
-                               "--to", trainrec.convert.framework_of(template), "--template", str(tmp / "t.mpk"),
+                               "--to", trainrec.conversion.convert.framework_of(template), "--template", str(tmp / "t.mpk"),
                                *extra], capture_output=True, text=True)
 
     tmp = tmp_path

@@ -14,7 +14,7 @@ import pytest
 import trainrec
 from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord
 from trainrec.adapters.numpy import MLP, SGD, Adam, AdamW, LinearWarmupCosineLr, StepLr
-from trainrec.convert import (
+from trainrec.conversion.convert import (
     ConversionError,
     Neutral,
     convert,
@@ -93,8 +93,8 @@ def test_a_record_no_form_claims_names_its_kinds_and_how_to_register_one():
 
 
 def test_a_registered_form_claims_before_entry_points(monkeypatch):
-    from trainrec import convert as conversion
     from trainrec.adapters.numpy.neutral import NumpyForm
+    from trainrec.conversion import convert as conversion
 
     class Mine(NumpyForm):
         name = "mine"
@@ -551,8 +551,8 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
     """A many-to-one plan (as rules make) takes its moments and pending gradients from all
     its sources; where one of them has none, the conversion says which."""
     strict = pytest.importorskip("trainrec_arraystrict")
-    from trainrec import convert as conversion
-    from trainrec.rules import Plan, RulesResult
+    from trainrec.conversion import convert as conversion
+    from trainrec.conversion.rules import Plan, RulesResult
 
     def plans(rules, source, target, *, frameworks=None, strict=True):
         if not rules:
@@ -579,25 +579,30 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
         convert(run.record(K), template, rules=rules, use_template=["lr"])
 
 
-def test_built_in_forms_are_found_without_installation_metadata(monkeypatch):
-    """torch, JAX and numpy records convert from a source tree with no entry points
-    installed (PYTHONPATH use, a stale egg-info): the registry's defaults find them."""
+def test_the_bundled_forms_come_through_entry_points(monkeypatch):
+    """Issue 30: the torch, JAX and numpy forms are declared in trainrec's entry points
+    (group `trainrec.neutral`), as a third party's are; core builds in only its own Burn
+    form. With the installation metadata they are found; without it (a source tree on
+    PYTHONPATH, a stale egg-info) only Burn's is, and the refusal says how to declare one.
+    (Before issue 30 core named the adapters' forms in a default table.)"""
     from importlib import metadata
     from types import SimpleNamespace
 
-    import trainrec.convert as tc
+    import trainrec.conversion.convert as tc
 
+    kinds = [("torch.nn.Module", "torch"), ("jax.pytree", "jax"), ("trainrec.numpy.MLP", "trainrec.numpy"),
+             ("flax.nnx.Module", "flax.nnx"), ("equinox.Module", "equinox")]
+    declared = {ep.name: ep.value for ep in metadata.entry_points(group=tc.ENTRY_POINT_GROUP)}
+    for kind, name in kinds:
+        assert declared[name].startswith("trainrec.adapters.")
+        assert tc.form_for(SimpleNamespace(model=SimpleNamespace(kind=kind))).name == name
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
     monkeypatch.setattr(tc, "_loaded", {})
-    for kind, name in [("torch.nn.Module", "torch"), ("jax.pytree", "jax"),
-                       ("trainrec.numpy.MLP", "trainrec.numpy"), ("flax.nnx.Module", "flax.nnx"),
-                       ("equinox.Module", "equinox")]:
-        rec = SimpleNamespace(model=SimpleNamespace(kind=kind))
-        assert tc.form_for(rec).name == name
-    unknown = SimpleNamespace(model=SimpleNamespace(kind="acme.Net"), optimizer=SimpleNamespace(kind="acme.SGD"),
-                              scheduler=None)
-    with pytest.raises(tc.ConversionError, match="acme.Net"):
-        tc.form_for(unknown)
+    assert tc.form_for(SimpleNamespace(model=SimpleNamespace(kind="burn.Module"))).name == "burn"
+    torch = SimpleNamespace(model=SimpleNamespace(kind="torch.nn.Module"), optimizer=SimpleNamespace(kind="torch.optim.SGD"),
+                            scheduler=None)
+    with pytest.raises(tc.ConversionError, match="torch.nn.Module.*entry-point group 'trainrec.neutral'"):
+        tc.form_for(torch)
 
 
 def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
@@ -610,7 +615,7 @@ def test_the_cli_converts_a_third_party_record_to_any_form(tmp_path):
     from same_items import same
 
     from trainrec import DefaultRecorder
-    from trainrec.recorders import read_file
+    from trainrec.recorders.read import read_file
 
     strict_run, (lr, every, gamma) = _strict()
     x, y = batches(5, 3)

@@ -40,7 +40,7 @@ import trainrec  # noqa: E402
 import trainrec.adapters.jax as trj  # noqa: E402
 import trainrec.adapters.torch as trt  # noqa: E402
 from trainrec import GradientsAccumulator, GradientsParams, NamedMpkBytesRecorder, TrainingRecord  # noqa: E402
-from trainrec.convert import convert, convert_with_report  # noqa: E402
+from trainrec.conversion.convert import convert, convert_with_report  # noqa: E402
 
 VOCAB, T, E, HEADS, HIDDEN = 11, 5, 8, 2, 16
 LAYERS = 2  # the continuation; the preset's own test converts 4

@@ -217,7 +217,7 @@ def test_a_failure_after_the_checks_rolls_every_live_object_back(saved, monkeypa
 
 def test_verify_counts_the_dcp_entries_it_checked(saved, capsys):
     """`trainrec verify` said '0 tensors (0 bytes)' of a DCP directory, checking every entry."""
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     _, path = saved
     assert main(["verify", str(path)]) == 0

@@ -314,7 +314,7 @@ def test_flax_refuses_at_save_the_chunked_array_key_it_could_not_load(tmp_path):
 @pytest.mark.parametrize("kind", ["torch", "flax"])
 def test_a_key_at_the_string_limit_over_a_tensor_loads(kind, tmp_path):
     # the tables used to repeat the key path: at the limit the path no longer loaded
-    from trainrec.format import Limits
+    from trainrec.format.limits import Limits
 
     recorder = _recorder(kind, FullPrecisionSettings())
     key = "k" * Limits().max_str_bytes

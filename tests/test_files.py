@@ -24,8 +24,8 @@ from trainrec import (
     NamedMpkGzFileRecorder,
     RecorderError,
     TensorData,
-    _atomic,
 )
+from trainrec.storage import atomic as _atomic
 
 ITEM = {"w": TensorData.from_array(np.arange(6, dtype=np.float32)), "step": 7}
 
@@ -81,7 +81,7 @@ IN_FLIGHT = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from trainrec._atomic import atomic_write
+    from trainrec.storage.atomic import atomic_write
     with atomic_write(Path(sys.argv[1])) as f:
         f.write(b"written by the other saver")
         print("writing", flush=True)
@@ -219,7 +219,7 @@ def test_saving_never_changes_the_process_umask(tmp_path):
         real = os.umask
         os.umask = lambda m: calls.append(m) or real(m)
         import numpy as np, trainrec
-        from trainrec import _atomic
+        from trainrec.storage import atomic as _atomic
         trainrec.DefaultRecorder().save_item({{"w": trainrec.TensorData.from_array(np.ones(3))}},
                                              {str(tmp_path / "x.mpk")!r})
         assert calls == [], calls
@@ -253,7 +253,7 @@ def test_no_thread_ever_sees_the_umask_cleared(tmp_path):
 
         t = threading.Thread(target=create)
         t.start()
-        import trainrec._atomic as atomic
+        import trainrec.storage.atomic as atomic
         from pathlib import Path
         for i in range(400):
             atomic = importlib.reload(atomic)  # what the import does, many times over

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import trainrec
+import trainrec.format as fmt
 from trainrec import (
     ChecksumError,
     CorruptRecordError,
@@ -24,7 +25,6 @@ from trainrec import (
     TensorData,
     UnsupportedVersionError,
 )
-from trainrec import format as fmt
 from trainrec.precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -151,8 +151,8 @@ def test_payloads_are_64_byte_aligned_and_mmap_is_zero_copy(tmp_path):
 
 
 def test_large_tensors_are_chunked(tmp_path, monkeypatch):
-    monkeypatch.setattr(fmt, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(fmt, "MIN_CHUNK_BYTES", 1000)  # readers refuse shorter chunks but the last
+    monkeypatch.setattr(fmt.limits, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(fmt.limits, "MIN_CHUNK_BYTES", 1000)  # readers refuse shorter chunks but the last
     t = TensorData.from_array(np.arange(1001, dtype=np.float64))
     path = NamedMpkFileRecorder().save_item({"big": t}, tmp_path / "c.mpk")
     doc = msgpack.unpackb(path.read_bytes())
@@ -206,7 +206,7 @@ def test_random_bytes_and_wrong_magic():
 
 
 def test_unknown_major_version_names_both(monkeypatch):
-    monkeypatch.setattr(fmt, "FORMAT_VERSION", (7, 3))
+    monkeypatch.setattr(fmt.header, "FORMAT_VERSION", (7, 3))
     data = _doc({"a": 1})
     monkeypatch.undo()
     with pytest.raises(UnsupportedVersionError, match=r"7\.3.*1\.x"):
@@ -370,14 +370,14 @@ def test_mmap_verify_checks_every_tensor_now_and_durable_false_still_replaces_at
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: s.name)
-@pytest.mark.parametrize("chunk", [fmt.CHUNK_BYTES, 1000])
+@pytest.mark.parametrize("chunk", [fmt.limits.CHUNK_BYTES, 1000])
 def test_size_bound_is_an_upper_bound_within_the_checksum_encodings(settings, chunk, monkeypatch):
-    monkeypatch.setattr(fmt, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(fmt.limits, "CHUNK_BYTES", chunk)
     rng = np.random.default_rng(5)
     item = item_with_all()
     item["big"] = TensorData.from_array(rng.standard_normal(1001))
     item["many"] = [TensorData.from_array(rng.standard_normal(i)) for i in range(40)]
-    n_tensors = sum(1 for _ in trainrec.items.iter_tensors(item))
+    n_tensors = sum(1 for _ in trainrec.items.tree.iter_tensors(item))
     out = io.BytesIO()
     fmt.write_document(out, item, settings, "Item", allow_lossy=True)
     bound = fmt.document_size_bound(item, settings, "Item")

@@ -1,4 +1,4 @@
-"""The one walker over item trees (`trainrec.items`: `walk`, `walk_pairs`, `map_tree` and
+"""The one walker over item trees (`trainrec.items.tree`: `walk`, `walk_pairs`, `map_tree` and
 what is built on them): order, key paths, depth, tensors as leaves, and the limits
 `check_item` enforces through it."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trainrec import CorruptRecordError, TensorData
-from trainrec.items import (
+from trainrec.items.tree import (
     check_item,
     compare_items,
     iter_tensors,
@@ -146,7 +146,7 @@ def test_a_walk_without_paths_meets_the_same_nodes_and_path_of_finds_their_paths
 
 
 def test_check_limits_names_the_key_it_refuses() -> None:
-    from trainrec.format import Limits, check_limits
+    from trainrec.format.limits import Limits, check_limits
 
     long = "x" * 100
     with pytest.raises(CorruptRecordError, match="longer than readers accept") as e:

@@ -270,7 +270,7 @@ def test_flax_recorder_roundtrip(tmp_path, settings):
 
 def test_flax_reads_ours_and_we_read_flax(tmp_path, monkeypatch):
     serialization = pytest.importorskip("flax.serialization")
-    import trainrec.flaxmsgpack as mod  # the recorder lives in core; the adapter re-exports it
+    import trainrec.recorders.flaxmsgpack as mod  # the recorder lives in core; the adapter re-exports it
 
     monkeypatch.setattr(mod, "MAX_CHUNK_SIZE", 16)  # chunk every array above 16 bytes
     path = trj.FlaxMsgpackFileRecorder(NativePrecisionSettings()).save_item(_item(), tmp_path / "o.msgpack")
@@ -334,7 +334,7 @@ def test_large_arrays_are_streamed_as_the_bytes_msgpack_gives(tmp_path, monkeypa
     """Arrays from 64 KiB on are written from their buffers; the file is byte-identical to
     the one `msgpack.packb` builds, and flax reads it."""
     serialization = pytest.importorskip("flax.serialization")
-    import trainrec.flaxmsgpack as mod  # the recorder lives in core; the adapter re-exports it
+    import trainrec.recorders.flaxmsgpack as mod  # the recorder lives in core; the adapter re-exports it
 
     monkeypatch.setattr(mod, "MAX_CHUNK_SIZE", chunk)
     rng = np.random.default_rng(0)

@@ -28,7 +28,7 @@ from trainrec import (  # noqa: E402
     TrainingRecord,
     read_file,
 )
-from trainrec.items import compare_items  # noqa: E402
+from trainrec.items.tree import compare_items  # noqa: E402
 
 LOOPS = Path(__file__).with_name("jax_native_loops.py")
 

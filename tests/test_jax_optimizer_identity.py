@@ -175,7 +175,7 @@ def test_a_schedule_closing_over_a_module_or_object_arrays_records_names_only():
     import numpy as np
 
     from trainrec.adapters.jax.identity import identity_of
-    from trainrec.items import check_item, walk
+    from trainrec.items.tree import check_item, walk
 
     def build(optax_module):
         tags = np.array([object(), object()], dtype=object)

@@ -443,8 +443,8 @@ _CRASHER = textwrap.dedent(
     if kill_at >= 0:  # kill before the kill_at-th rename, unlink or fsync of one save
         for name in ("replace", "unlink", "fsync"):
             setattr(os, name, counted(getattr(os, name)))
-        import trainrec.manager  # the manager's own renames (never over anything)
-        trainrec.manager.rename_noreplace = counted(trainrec.manager.rename_noreplace)
+        import trainrec.manager.local  # the manager's own renames (never over anything)
+        trainrec.manager.local.rename_noreplace = counted(trainrec.manager.local.rename_noreplace)
     print("ready", flush=True)
     for s in range(start, start + 10_000):
         for v in model.params.values():

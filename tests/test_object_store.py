@@ -1,4 +1,4 @@
-"""Checkpoints at store URLs (trainrec.storage, commit, store_manager; spec/PROTOCOLS.md,
+"""Checkpoints at store URLs (trainrec.storage.location, commit, store_manager; spec/PROTOCOLS.md,
 "Checkpoints on object stores"): `memory://` for the fast cases, and a real S3 protocol
 server (moto's, started on a loopback port) through s3fs for the rest."""
 
@@ -40,7 +40,7 @@ from trainrec import (
     read_file,
 )
 from trainrec.adapters.numpy import MLP, AdamW, StepLr
-from trainrec.flaxmsgpack import FlaxMsgpackFileRecorder
+from trainrec.recorders.flaxmsgpack import FlaxMsgpackFileRecorder
 
 fsspec = pytest.importorskip("fsspec", reason="the [s3] extra (fsspec, s3fs) is not installed")
 
@@ -240,7 +240,7 @@ def test_an_uncommitted_save_is_not_a_step(mem):
 def test_a_failed_save_leaves_no_object(mem):
     class Failing(NamedMpkFileRecorder):
         def save_item(self, item, args, record_type="Item", *, allow_lossy=False):
-            from trainrec.storage import upload
+            from trainrec.storage.location import upload
 
             with upload(args) as f:
                 f.write(b"x" * 1000)
@@ -255,7 +255,7 @@ def test_a_failed_save_leaves_no_object(mem):
 
 
 def test_the_cli_inspects_and_verifies_a_url(mem, capsys):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     with CheckpointManager(mem) as mgr:
         mgr.save(3, _record(3), block=True)
@@ -373,7 +373,7 @@ def test_recorders_round_trip_on_s3(s3, recorder):
 
 
 def test_a_failed_upload_on_s3_leaves_no_object_and_no_open_upload(s3):
-    from trainrec.storage import PART_BYTES, upload
+    from trainrec.storage.location import PART_BYTES, upload
 
     with pytest.raises(KeyError):
         with upload(f"{s3}/big.mpk") as f:
@@ -429,7 +429,7 @@ def test_a_training_loop_on_s3_resumes_bitwise_from_latest(s3):
 
 
 def test_the_cli_verifies_and_inspects_s3(s3, capsys):
-    from trainrec.cli import main
+    from trainrec.cli.commands import main
 
     with CheckpointManager(s3) as mgr:
         mgr.save(1, _record(1), block=True)

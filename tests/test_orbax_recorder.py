@@ -372,8 +372,8 @@ def test_an_unfinished_orbax_directory_is_refused(tmp_path, saved):
 
 
 def test_read_file_and_the_cli_recognise_an_orbax_directory(tmp_path, saved, capsys):
-    from trainrec.cli import main
-    from trainrec.formats import format_for_name, recorder_for
+    from trainrec.cli.commands import main
+    from trainrec.recorders.formats import format_for_name, recorder_for
 
     header, item = read_file(saved)
     assert header.format == "trainrec.orbax" and item["step"] == 3

@@ -57,8 +57,12 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     for expected in ("trainrec/__init__.py", "trainrec/py.typed", "trainrec/adapters/numpy/mlp.py",
                      "trainrec/adapters/torch/recorder.py", "trainrec/adapters/jax/recorder.py",
                      "trainrec/conformance/suite.py", "trainrec/conformance/golden/manifest.json",
-                     "trainrec/conformance/golden/training-record.mpk", "trainrec/presets/attention.json"):
+                     "trainrec/conformance/golden/training-record.mpk",
+                     "trainrec/conversion/presets/attention.json"):
         assert expected in names
+    # every subpackage of core's layers is in the wheel (pyproject's `packages` lists each)
+    for package in sorted(p.parent for p in (ROOT / "core").glob("*/__init__.py")):
+        assert f"trainrec/{package.name}/__init__.py" in names, package.name
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "trainrec = trainrec.cli:main" in text and "[trainrec.adapters]" in text
@@ -119,7 +123,7 @@ def test_converting_torch_to_jax_needs_neither_framework(tmp_path):
     optax = pytest.importorskip("optax")
     import trainrec
     import trainrec.adapters.jax as trj
-    from trainrec.convert import convert
+    from trainrec.conversion.convert import convert
 
     @trainrec.record
     class Step:
@@ -143,7 +147,7 @@ def test_converting_torch_to_jax_needs_neither_framework(tmp_path):
     expected = convert(source, template).save(trainrec.NamedMpkBytesRecorder(native))
     code = _BLOCK_FRAMEWORKS + (
         "import trainrec\n"
-        "from trainrec.convert import convert\n"
+        "from trainrec.conversion.convert import convert\n"
         "load = lambda p: trainrec.TrainingRecord.load(trainrec.NamedMpkFileRecorder(), p)\n"
         f"out = convert(load({str(tmp_path / 'src.mpk')!r}), load({str(tmp_path / 'template.mpk')!r}))\n"
         "sys.stdout.buffer.write(out.save(trainrec.NamedMpkBytesRecorder(trainrec.NativePrecisionSettings())))\n"

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
+import trainrec.format as fmt
 from trainrec import ChecksumError, NamedMpkFileRecorder, NativePrecisionSettings, TensorData
-from trainrec import format as fmt
 
 N = 1 << 19  # 2 MiB of f32 per tensor: 8 tensors pass the parallel threshold
 
@@ -43,12 +43,12 @@ def test_the_first_corrupted_tensor_in_document_order_is_named(tmp_path, monkeyp
     _flip(path, _payload_offset(data, item["t6"]) + 100)  # type: ignore[arg-type]
     _flip(path, _payload_offset(data, item["t3"]) + 5000)  # type: ignore[arg-type]
     used = []
-    real = fmt._verify_pool
-    monkeypatch.setattr(fmt, "_verify_pool", lambda: used.append(1) or real())
+    real = fmt.checksums._verify_pool
+    monkeypatch.setattr(fmt.parser, "_verify_pool", lambda: used.append(1) or real())
     with pytest.raises(ChecksumError, match="tensor checksum mismatch") as e:
         rec.read(path)
     assert e.value.key == "item.t3"
-    assert used == ([1] if fmt._VERIFY_THREADS > 1 else [])
+    assert used == ([1] if fmt.checksums._VERIFY_THREADS > 1 else [])
     # a document below the threshold is checked on the calling thread, with the same result
     small = {k: TensorData.from_array(t.read()[:1000]) for k, t in item.items()}  # type: ignore[union-attr]
     path = rec.save_item(small, tmp_path / "s.mpk")

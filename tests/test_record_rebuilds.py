@@ -24,7 +24,7 @@ from trainrec import (
     RngRecord,
     TrainingRecord,
 )
-from trainrec.records import RecordDeclarationError
+from trainrec.training.records import RecordDeclarationError
 
 R = NamedMpkBytesRecorder(NativePrecisionSettings())
 
@@ -315,6 +315,6 @@ def test_annotations_that_cannot_be_resolved_are_refused_not_loaded_as_items(tmp
 
 def _components() -> tuple[typing.Any, ...]:
     from trainrec import StateRecord
-    from trainrec.gradients import GradientsParamsRecord
+    from trainrec.training.gradients import GradientsParamsRecord
 
     return StateRecord("m", {}), StateRecord("o", {}), None, GradientsParamsRecord({})

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import trainrec
-from trainrec import registry
 from trainrec.adapters.numpy import MLP, NumpyBackend
+from trainrec.training import registry
 
 
 def test_protocol_objects_pass_through():

@@ -424,7 +424,7 @@ def test_loads_import_nothing_a_file_names(tmp_path, monkeypatch):
 def test_a_save_removes_temp_files_of_dead_writers_only(tmp_path):
     import fcntl
 
-    from trainrec import _atomic
+    from trainrec.storage import atomic as _atomic
 
     path = tmp_path / "c.mpk"
     orphan = tmp_path / f".c.mpk.abc123abc123{_atomic.TEMP_SUFFIX}"  # no writer holds it
@@ -465,7 +465,7 @@ def test_adapter_recorders_refuse_unknown_major_versions(tmp_path):
 
 
 def _fallocate_works(directory: Path) -> bool:
-    from trainrec import _atomic
+    from trainrec.storage import atomic as _atomic
 
     if _atomic._fallocate is None:
         return False
@@ -479,7 +479,7 @@ def _fallocate_works(directory: Path) -> bool:
 def test_a_save_reserves_its_payload_before_writing(tmp_path):
     if not _fallocate_works(tmp_path):
         pytest.skip("this filesystem has no fallocate")
-    from trainrec import _atomic
+    from trainrec.storage import atomic as _atomic
 
     with _atomic.atomic_write(tmp_path / "ckpt", size_hint=8 << 20) as f:
         st = os.fstat(f.fileno())
@@ -498,7 +498,7 @@ def test_a_disk_without_room_fails_before_writing_and_keeps_the_old_file(tmp_pat
     import ctypes
     import errno
 
-    from trainrec import _atomic
+    from trainrec.storage import atomic as _atomic
 
     path = tmp_path / "ckpt.mpk"
     old = {"w": TensorData.from_array(np.ones(10, np.float32))}
@@ -513,8 +513,8 @@ def test_a_disk_without_room_fails_before_writing_and_keeps_the_old_file(tmp_pat
 
     monkeypatch.setattr(_atomic, "_fallocate", full_disk)
     written = []
-    real_write = trainrec.format.write_document
-    monkeypatch.setattr(trainrec.recorders, "write_document",
+    real_write = trainrec.format.writer.write_document
+    monkeypatch.setattr(trainrec.recorders.namedmpk, "write_document",
                         lambda *a, **k: written.append(1) or real_write(*a, **k))
     big = {"w": TensorData.from_array(np.zeros(8 << 20, np.float32))}  # 32 MiB: reserved first
     with pytest.raises(RecorderError, match=r"needs at least \d+ bytes"):
@@ -528,7 +528,7 @@ def test_a_filesystem_without_fallocate_still_saves(tmp_path, monkeypatch):
     import ctypes
     import errno
 
-    from trainrec import _atomic
+    from trainrec.storage import atomic as _atomic
 
     def unsupported(fd, mode, offset, length):
         ctypes.set_errno(errno.EOPNOTSUPP)

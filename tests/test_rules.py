@@ -1,4 +1,4 @@
-"""The conversion rules language (`trainrec.rules`): every feature, every refusal, the
+"""The conversion rules language (`trainrec.conversion.rules`): every feature, every refusal, the
 attention presets against real torch and flax modules."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import trainrec
-from trainrec.rules import (
+from trainrec.conversion.rules import (
     PRESETS,
     TRANSFORMS,
     Plan,
@@ -496,7 +496,7 @@ def test_attention_presets_leave_other_layers_to_the_next_rules():
 
 
 def test_indices_write_list_indices_each_sides_way(tmp_path):
-    from trainrec.rules import _reindexed
+    from trainrec.conversion.rules import _reindexed
 
     assert _reindexed("blocks.0.attn.", "flax") == "blocks_0.attn."
     assert _reindexed("enc.layers.11.0.", "flax") == "enc.layers_11_0."
@@ -585,7 +585,7 @@ def test_drop_and_keep_rules_say_what_is_not_converted(tmp_path):
     """A constant buffer the other side lacks, and a tied torch head into an untied flax
     head: refused naming both (each with the rule kind that says it), then converted with
     a drop and a keep rule, both listed in the report. And the way back."""
-    from trainrec.convert import ConversionError, convert, convert_with_report
+    from trainrec.conversion.convert import ConversionError, convert, convert_with_report
 
     torch_record, flax_record = _records()
     with pytest.raises(ConversionError) as refused:
@@ -608,7 +608,7 @@ def test_drop_and_keep_rules_say_what_is_not_converted(tmp_path):
 
 
 def test_a_rule_that_decides_no_tensor_is_refused_unless_optional(tmp_path):
-    from trainrec.convert import ConversionError, convert
+    from trainrec.conversion.convert import ConversionError, convert
 
     torch_record, flax_record = _records()
     base = [{"drop": "causal_mask"}, {"keep": r"params\.head\.kernel"}]
@@ -635,7 +635,7 @@ def test_a_rule_that_decides_no_tensor_is_refused_unless_optional(tmp_path):
 
 
 def test_an_unmapped_tensor_says_which_rules_were_not_tried(tmp_path):
-    from trainrec.convert import ConversionError, convert
+    from trainrec.conversion.convert import ConversionError, convert
 
     torch_record, flax_record = _records()
     rules = load_rules(rules_file(tmp_path, {"drop": "causal_mask", "to": "flax.nnx"}))
@@ -679,7 +679,7 @@ def test_the_readmes_rules_file_loads_and_does_what_it_says():
               "blocks.0.causal_mask": (5, 5)}
     target = {"params.blocks_1.attn.query.kernel": (4, 2, 2), **{
         f"params.blocks_0.attn.{p}.kernel": (4, 2, 2) for p in ("query", "key", "value")}}
-    from trainrec.rules import apply_rules
+    from trainrec.conversion.rules import apply_rules
 
     done = apply_rules(rules, source, target)
     assert done.problems == [] and set(done.plans) == set(target) and set(done.dropped) == {"blocks.0.causal_mask"}

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import trainrec
+import trainrec.format as fmt
 from trainrec import (
     CorruptRecordError,
     GradientsAccumulator,
@@ -22,7 +23,6 @@ from trainrec import (
     TensorData,
     TrainingRecord,
 )
-from trainrec import format as fmt
 
 NATIVE = NativePrecisionSettings()
 
@@ -173,9 +173,9 @@ def _adapter_recorders():
     except ImportError:
         pass
     try:
-        from trainrec.flaxmsgpack import FlaxMsgpackFileRecorder
+        from trainrec.recorders.flaxmsgpack import FlaxMsgpackFileRecorder
 
-        out.append(pytest.param(FlaxMsgpackFileRecorder, "trainrec.flaxmsgpack", id="flax"))
+        out.append(pytest.param(FlaxMsgpackFileRecorder, "trainrec.recorders.flaxmsgpack", id="flax"))
     except ImportError:
         pass
     return out

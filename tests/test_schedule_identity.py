@@ -487,7 +487,7 @@ def test_an_adapter_without_allow_changes_refuses_the_argument_it_cannot_honour(
 
         kind = "plain.optimizer"
 
-    from trainrec.training import _changes_kw
+    from trainrec.training.record import _changes_kw
 
     def check_record(record, module):
         return None

@@ -7,13 +7,13 @@ import io
 
 import numpy as np
 
+import trainrec.format as fmt
 from trainrec import (
     FullPrecisionSettings,
     NamedMpkBytesRecorder,
     NativePrecisionSettings,
     TensorData,
 )
-from trainrec import format as fmt
 
 NATIVE = NativePrecisionSettings()
 
@@ -66,7 +66,8 @@ def test_every_save_reserves_about_its_size_first_and_frees_the_rest(tmp_path, m
     writes); measured on ext4, replacing an older file without one costs a flush at the
     rename (auto_da_alloc): a 2 MB save took 1.5 ms with, 0.5 ms without. Now every save
     reserves about its size, and the file ends at its document (the rest is freed)."""
-    from trainrec import NamedMpkFileRecorder, _atomic
+    from trainrec import NamedMpkFileRecorder
+    from trainrec.storage import atomic as _atomic
 
     calls: list[int] = []
     real = _atomic._fallocate
@@ -97,7 +98,7 @@ def test_the_size_estimate_is_close_to_the_document_for_every_kind_of_value():
         {"w": TensorData.from_array(rng.standard_normal((3, 4)).astype(np.float64)), "s": "x" * 300,
          "b": b"\x01" * 999, "n": [1, 2.5, None, True, {"deep": [TensorData.from_array(np.zeros(0, np.int8))]}]},
         {f"layer{i}": TensorData.from_array(rng.standard_normal(i * 100 + 1).astype(np.float32)) for i in range(50)},
-        {"big": TensorData.from_array(np.zeros(fmt.CHUNK_BYTES // 4 + 10, np.float32))},
+        {"big": TensorData.from_array(np.zeros(fmt.limits.CHUNK_BYTES // 4 + 10, np.float32))},
     ]
     for settings in (NATIVE, FullPrecisionSettings()):
         for item in items:

@@ -439,7 +439,7 @@ def test_torch_file_recorder_rejects_bad_files_with_recorder_errors(tmp_path):
 
 
 def test_torch_file_recorder_never_calls_torch_load(tmp_path, monkeypatch):
-    """Loads go through core's allow-list reader (`trainrec.ptfile`), so no torch version's
+    """Loads go through core's allow-list reader (`trainrec.recorders.ptfile`), so no torch version's
     unpickler (CVE-2025-32434 in torch < 2.6) ever sees the file."""
     def refuse(*a, **kw):
         raise AssertionError("torch.load called on a load path")

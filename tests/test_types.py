@@ -15,7 +15,7 @@ import pytest
 
 import trainrec
 from trainrec import GradientsParams, Recorder
-from trainrec.protocols import AutodiffModule, LrScheduler, Module, Optimizer
+from trainrec.training.protocols import AutodiffModule, LrScheduler, Module, Optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,7 +158,7 @@ reveal_type(State.from_item)
 reveal_type(State(1).into_item)
 ''')
     assert 'def (item: Union[' in out.stdout or "def (item: " in out.stdout, out.stdout
-    assert "-> user.State" in out.stdout and "settings: trainrec.protocols.PrecisionSettings" in out.stdout
+    assert "-> user.State" in out.stdout and "settings: trainrec.precision.PrecisionSettings" in out.stdout
 
 
 def test_mypy_checks_a_records_constructor_against_its_fields(tmp_path):

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import RecorderError
-from ..items import compare_items
+from ..items.tree import compare_items
 from ..precision import NativePrecisionSettings
-from ..recorders import NamedMpkBytesRecorder
+from ..recorders.namedmpk import NamedMpkBytesRecorder
 
 _NATIVE = NativePrecisionSettings()
 

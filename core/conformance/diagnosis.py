@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from ..items import compare_items
-from ..recorders import NamedMpkBytesRecorder
-from ..workload import Workload
+from ..items.tree import compare_items
+from ..recorders.namedmpk import NamedMpkBytesRecorder
+from ..workload.loop import Workload
 from .contract import _NATIVE, _expect
 from .harness import Parts, run, snapshot
 

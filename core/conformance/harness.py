@@ -4,7 +4,7 @@ It starts runs in the middle of an accumulation window (`midway`), snapshots eve
 tensor and scalar of a run (`snapshot`), and runs the exact-continuation scenario in
 fresh processes (`continuation`, through the roles of `trainrec.roles`: one process
 resumes every checkpoint, one after another, each into freshly built objects). `Workload`
-and `Parts` live in `trainrec.workload`; `Harness` is the name `Workload` had here
+and `Parts` live in `trainrec.workload.loop`; `Harness` is the name `Workload` had here
 before, kept so that adapters written against it still run.
 """
 
@@ -13,12 +13,13 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from ..items import Item
+from ..items.tree import Item
 from ..precision import NativePrecisionSettings
-from ..recorders import NamedMpkBytesRecorder, read_file
+from ..recorders.namedmpk import NamedMpkBytesRecorder
+from ..recorders.read import read_file
 from ..roles import checkpoint_path, role_command
-from ..training import TrainingRecord
-from ..workload import Parts, Workload, train_until
+from ..training.record import TrainingRecord
+from ..workload.loop import Parts, Workload, train_until
 
 __all__ = ["Harness", "Parts", "Workload", "continuation", "midway", "run", "snapshot"]
 

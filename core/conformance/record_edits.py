@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..items import Item, iter_tensors, map_leaves, map_tree, walk
-from ..tensor import TensorData
+from ..items.tensor import TensorData
+from ..items.tree import Item, iter_tensors, map_leaves, map_tree, walk
 from .contract import _expect
 
 

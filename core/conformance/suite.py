@@ -27,11 +27,10 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from ..accumulator import GradientsAccumulator
-from ..dtypes import DType, FloatDType
 from ..errors import LossyPrecisionError, RecorderError, RecordMismatchError
-from ..gradients import GradientsParams, GradientsParamsRecord
-from ..items import compare_items
+from ..items.dtypes import DType, FloatDType
+from ..items.tensor import TensorData
+from ..items.tree import compare_items
 from ..precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
@@ -39,13 +38,14 @@ from ..precision import (
     NativePrecisionSettings,
     first_lossy,
 )
-from ..protocols import AutodiffBackend, AutodiffModule, LrScheduler, Optimizer, Recorder
-from ..recorders import NamedMpkBytesRecorder
-from ..records import StateRecord
-from ..registry import adapt, adapt_module
-from ..tensor import TensorData
-from ..training import TrainingRecord
-from ..workload import Workload, recorders_for
+from ..recorders.namedmpk import NamedMpkBytesRecorder
+from ..training.accumulator import GradientsAccumulator
+from ..training.gradients import GradientsParams, GradientsParamsRecord
+from ..training.protocols import AutodiffBackend, AutodiffModule, LrScheduler, Optimizer, Recorder
+from ..training.record import TrainingRecord
+from ..training.records import StateRecord
+from ..training.registry import adapt, adapt_module
+from ..workload.loop import Workload, recorders_for
 from .contract import _NATIVE, _broken, _differs, _expect, _rejects, _rng_note, _rng_paths, _where
 from .diagnosis import _first_divergence, _overwrites, _pattern, _same_arrays, _when, _write
 from .harness import Parts, continuation, midway, run, snapshot

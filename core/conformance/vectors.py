@@ -27,18 +27,18 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import DType
-from ..formats import format_named
-from ..items import Item, map_tensors, map_tree
+from ..items.dtypes import DType
+from ..items.tensor import TensorData
+from ..items.tree import Item, map_tensors, map_tree
 from ..precision import (
     DoublePrecisionSettings,
     FullPrecisionSettings,
     HalfPrecisionSettings,
     NativePrecisionSettings,
 )
-from ..recorders import NamedMpkFileRecorder, NamedMpkGzFileRecorder, RecorderBase
-from ..tensor import TensorData
-from ..workload import load_workload, train_until
+from ..recorders.formats import format_named
+from ..recorders.namedmpk import NamedMpkFileRecorder, NamedMpkGzFileRecorder, RecorderBase
+from ..workload.loop import load_workload, train_until
 
 __all__ = ["describe", "check_vectors", "write_vectors", "vector_dir"]
 
@@ -85,7 +85,7 @@ def _training_record() -> Item:
     parts = h.build(0)
     train_until(h, parts, 6, 4)  # one window of 4 applied, 2 gradients pending
     h.before_capture(parts)
-    from ..training import TrainingRecord
+    from ..training.record import TrainingRecord
 
     rec = TrainingRecord.capture(parts.model, parts.optimizer, parts.scheduler,
                                  parts.accumulator, parts.state)
@@ -160,7 +160,7 @@ def vector_dir() -> Path:
 @contextlib.contextmanager
 def _pinned_version(version: str) -> Iterator[None]:
     """Write with the trainrec version a vector records, so its bytes can match."""
-    names = ["trainrec.format", "trainrec.envelope"]
+    names = ["trainrec.format.writer", "trainrec.format.envelope"]
     saved = {n: sys.modules[n].__version__ for n in names if n in sys.modules}
     for n in saved:
         sys.modules[n].__version__ = version  # type: ignore[attr-defined]
