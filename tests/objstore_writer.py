@@ -16,6 +16,7 @@ connections) exists in the server, so a writer shares no socket with another.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -23,7 +24,6 @@ import ml_dtypes
 import numpy as np
 
 import trainrec
-import trainrec.storage
 from trainrec import CheckpointManager, GradientsAccumulator, TrainingRecord
 from trainrec.adapters.numpy import MLP, AdamW, StepLr
 
@@ -61,7 +61,8 @@ def record(step: int) -> TrainingRecord:
 
 
 def _writer(url: str) -> None:
-    trainrec.storage.PART_BYTES = PART_BYTES
+    # the module that reads it (the package's name `location` is that module's function)
+    importlib.import_module("trainrec.storage.location").PART_BYTES = PART_BYTES
     mgr = CheckpointManager(url, keep_last=3)
     step = (mgr.latest_step() or 0) + 1
     while True:

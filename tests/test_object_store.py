@@ -4,6 +4,7 @@ server (moto's, started on a loopback port) through s3fs for the rest."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -580,7 +581,8 @@ def test_s3_loads_stream_ranges_into_place_and_refuse_damage(s3, monkeypatch):
     """Ranged GETs streamed into the buffer (several ranges, several chunks each, in
     flight at once) load a checkpoint equal; one replaced by another of its size, cut
     short or gone on past its commit's size is refused."""
-    import trainrec.storage as storage
+    # the module that reads these names (`trainrec.storage.location` as an attribute is its function)
+    storage = importlib.import_module("trainrec.storage.location")
 
     monkeypatch.setattr(storage, "READ_BYTES", 8 << 10)  # several ranges of several chunks
     monkeypatch.setattr(storage, "_CHUNK", 3000)
