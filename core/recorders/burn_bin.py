@@ -9,12 +9,28 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
 from ..errors import CorruptRecordError, RecordMismatchError, reading
 from ..format.header import Header
 from ..items.tensor import TensorData
 from ..items.tree import Item, iter_tensors, join_key
-from .burn_names import BIN, MAX_DIMS, MODULE, _BIN_DTYPES, _BOOL_STORES, _META_KEYS, _bool_style, _burn_dtype, _check_shape, _dtype, _from_view, _header, _precision, _read_all, nest
-
+from .burn_names import (
+    _BIN_DTYPES,
+    _BOOL_STORES,
+    _META_KEYS,
+    BIN,
+    MAX_DIMS,
+    MODULE,
+    _bool_style,
+    _burn_dtype,
+    _check_shape,
+    _dtype,
+    _from_view,
+    _header,
+    _precision,
+    _read_all,
+    nest,
+)
 
 # -- Bin ------------------------------------------------------------------------------------------
 

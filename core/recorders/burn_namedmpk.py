@@ -7,11 +7,13 @@ from __future__ import annotations
 import gzip
 import os
 import zlib
-import msgpack
-import numpy as np
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import msgpack
+import numpy as np
+
 from ..errors import CorruptRecordError, reading
 from ..format.header import Header
 from ..format.limits import Limits
@@ -19,9 +21,30 @@ from ..format.parser import Ext, decode_msgpack
 from ..items.tensor import TensorData
 from ..items.tree import Item, iter_tensors, join_key
 from ..precision import NativePrecisionSettings
-from .namedmpk import RecorderBase
-from .burn_names import MODULE, NAMEDMPK, NAMEDMPK_GZ, _META_KEYS, _bin_header, _bool_style, _burn_dtype, _check_shape, _dtype, _from_view, _header, _precision, _read_all, _stored, is_burn_item, module_tensors, nest, new_param_id, param_id_text, split_training_item
+from .burn_names import (
+    _META_KEYS,
+    MODULE,
+    NAMEDMPK,
+    NAMEDMPK_GZ,
+    _bin_header,
+    _bool_style,
+    _burn_dtype,
+    _check_shape,
+    _dtype,
+    _from_view,
+    _header,
+    _precision,
+    _read_all,
+    _stored,
+    is_burn_item,
+    module_tensors,
+    nest,
+    new_param_id,
+    param_id_text,
+    split_training_item,
+)
 from .burn_sniff import gz_is_burn, sniff_namedmpk
+from .namedmpk import RecorderBase
 
 
 def _is_tensor_map(node: Any) -> bool:

@@ -11,17 +11,18 @@ import mmap as _mmap
 import os
 import re
 import secrets
-import numpy as np
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from ..errors import CorruptRecordError, RecorderError, reading
+
+import numpy as np
+
+from ..errors import CorruptRecordError, RecorderError
 from ..format.header import Header
 from ..items.dtypes import DType
 from ..items.tensor import TensorData
 from ..items.tree import Item, iter_tensors
 from ..precision import Precision, settings_by_name, store_tensor
-
 
 BURNPACK, NAMEDMPK, NAMEDMPK_GZ, BIN = "burn.burnpack", "burn.namedmpk", "burn.namedmpk.gz", "burn.bin"
 MODULE, OPTIMIZER, SCHEDULER = "burn.Module", "burn.Optimizer", "burn.Scheduler"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 import zlib
-from .burn_names import MAGIC
 
+from .burn_names import MAGIC
 
 # -- sniffing -------------------------------------------------------------------------------------
 

@@ -7,9 +7,11 @@ import math
 import os
 import re
 import struct
-import numpy as np
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
 from .._version import __version__
 from ..errors import CorruptRecordError, UnsupportedVersionError, reading
 from ..format import cbor
@@ -18,8 +20,33 @@ from ..items.dtypes import DType
 from ..items.tensor import TensorData
 from ..items.tree import Item
 from ..precision import NativePrecisionSettings
+from .burn_names import (
+    _RANK,
+    ALIGNMENT,
+    BURNPACK,
+    BURNPACK_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_DIMS,
+    MAX_METADATA,
+    MAX_TENSORS,
+    MODULE,
+    OPTIMIZER,
+    SCHEDULER,
+    _burn_dtype,
+    _check_shape,
+    _dtype,
+    _read_all,
+    _scalar,
+    _stored,
+    _tensor,
+    is_burn_item,
+    module_tensors,
+    optimizer_path,
+    param_id_value,
+    split_training_item,
+)
 from .namedmpk import RecorderBase
-from .burn_names import ALIGNMENT, BURNPACK, BURNPACK_VERSION, HEADER_SIZE, MAGIC, MAX_DIMS, MAX_METADATA, MAX_TENSORS, MODULE, OPTIMIZER, SCHEDULER, _RANK, _burn_dtype, _check_shape, _dtype, _read_all, _scalar, _stored, _tensor, is_burn_item, module_tensors, optimizer_path, param_id_value, split_training_item
 
 
 def _kind(tensors: dict[str, Any], scalars: dict[str, Any]) -> str:
