@@ -170,7 +170,7 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
         register_neutral_form,
         tensors_of,
     )
-    from trainrec.conversion import convert as convert_mod
+    from trainrec.conversion import form_registry
 
     class ToyForm:
         name, kinds, keeps_rate, rng_markers = "toyfw", ("toyfw",), False, frozenset()
@@ -210,7 +210,7 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
                         out[key][p] = got
             return out, None
 
-    monkeypatch.setattr(convert_mod, "_registered", list(convert_mod._registered))
+    monkeypatch.setattr(form_registry, "_registered", list(form_registry._registered))
     register_neutral_form(ToyForm())
     rng = np.random.default_rng(0)
     shapes = {"layers.0.W": (4, 8), "layers.0.b": (8,), "layers.1.W": (8, 3), "layers.1.b": (3,)}

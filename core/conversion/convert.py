@@ -57,6 +57,10 @@ else the template's, where it rebuilds as one.
 A malformed record is a `ConversionError` naming the key; a malformed rules file a
 `ValueError` naming the rule (CLI: exit 3). Framework RNG states cannot be converted: a
 caller state holding one is refused unless `drop_rng=True`, which replaces it by None.
+This module holds `convert` and `convert_with_report`; the rest lives one idea per module
+beside it, and every name is importable from here too (`trainrec.convert` is an alias):
+`forms` (the vocabulary and `NeutralForm`), `form_registry` (finding a form), `report`
+(`ConversionReport`), `tensor_plans` (parameters) and `maths` (the maths and the position).
 """
 
 from __future__ import annotations

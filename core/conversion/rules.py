@@ -418,9 +418,9 @@ def _rule_from(entry: Any) -> Rule:
 
 def _forms_named(rules: list[Rule], where: str) -> list[Rule]:
     """`rules` with `from` / `to` names resolved to neutral forms' names (an adapter's
-    name is an alias of its form: `convert.FORM_ALIASES`); `ValueError` naming each rule
+    name is an alias of its form: `form_registry.FORM_ALIASES`); `ValueError` naming each rule
     whose name no form has, and the known names."""
-    from .convert import FORM_ALIASES, form_names  # the forms live there; it imports this module
+    from .form_registry import FORM_ALIASES, form_names  # forms imports this module
 
     known = form_names()
     out, problems = [], []
@@ -473,7 +473,7 @@ def load_rules(path: str | Path) -> list[Rule]:
     field (an unknown key, a regex that does not compile, a backreference to no group, a
     pattern einops cannot parse, two layout operations, an unknown transform, a `from` /
     `to` that names no neutral form, listing the known ones; an adapter's name, `flax`
-    or `numpy`, reads as its form's, `convert.FORM_ALIASES`, ...);
+    or `numpy`, reads as its form's, `form_registry.FORM_ALIASES`, ...);
     `OSError` where the file cannot be read.
     """
     p = Path(path)
@@ -741,7 +741,7 @@ def _misfit(rule: Rule, why: str, names: list[str], outs: list[str], source: Map
 def _presets() -> dict[str, list[Rule]]:
     out: dict[str, list[Rule]] = {}
     for path in sorted((Path(__file__).parent / "presets").glob("*.json")):
-        # the forms' names are checked by tests/test_rules.py (convert imports this module)
+        # the forms' names are checked by tests/test_rules.py (the forms import this module)
         out[path.stem] = _rules_from(json.loads(path.read_text()), f"preset {path.stem!r}", check_forms=False)
     return out
 
