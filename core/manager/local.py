@@ -27,6 +27,11 @@ to `.{name}.{token}.trainrec-del` (the step is gone at once) before deleting it.
 recorder may name the endings of what a killed save of its own leaves next to a
 checkpoint (`temp_suffixes`, e.g. Orbax's `.orbax-checkpoint-tmp`, optionally followed by
 `-{digits}`); the sweep after each save removes those of steps up to the newest.
+
+This module holds `CheckpointManager` alone (one idea, a class of some 500 lines); the
+directory's lock (`dirlock`), its names and file operations (`dirfiles`) and what a caller
+passes besides the record (`policies`) live beside it, and every name importable from here
+before the split still is (`from .dirfiles import ...  # noqa: F401` re-exports them).
 """
 
 from __future__ import annotations
@@ -52,8 +57,6 @@ from typing import Any, Literal
 from ..errors import FileMissingError, RecorderError
 from ..precision import NativePrecisionSettings
 from ..recorders.namedmpk import NamedMpkFileRecorder
-
-# imported here before the split, and importable from here since
 from ..storage.atomic import (  # noqa: F401
     _TOKEN_HEX,
     TEMP_SUFFIX,
@@ -83,8 +86,6 @@ from .dirfiles import (  # noqa: F401
     _save_id_of,
     _unlink_if,
 )
-
-# every name this module held before its split, from its new home (tests and users import them)
 from .dirlock import (  # noqa: F401
     _NOFOLLOW,
     _NONBLOCK,
