@@ -71,8 +71,6 @@ from typing import Any
 from ..errors import RecorderError
 from ..items.tensor import TensorData
 from ..items.tree import Item, check_item, map_tree
-
-# imported here before the split, and importable from here since
 from ..precision import (
     NativePrecisionSettings,
     is_lossless,  # noqa: F401

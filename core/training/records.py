@@ -3,6 +3,11 @@
 `StateRecord` is what adapters produce for their components: a kind name and an item
 tree of host copies. `@record` turns a dataclass into a `Record`; `RngRecord` holds
 Python's and numpy's random states.
+
+This module holds `StateRecord`, the item conversions (`to_item`, `from_item_as`) and
+`@record`; beside it, one idea each: `field_types` (what a declared field may be),
+`lazy_fields` (tensors read on first use), `rng_record` (`RngRecord`) and `item_checks`
+(`check_tensor_map`, `kind_mismatches`). Every name is importable from here as before.
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ import numpy as np
 
 from ..errors import CorruptRecordError, RecordMismatchError
 from ..items.tensor import TensorData
-
-# imported here before the split, and importable from here since
 from ..items.tree import Item, check_item, join_key, map_tree, walk_pairs  # noqa: F401
 from ..precision import convert_item
 
