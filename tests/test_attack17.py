@@ -33,8 +33,13 @@ def _torch_template():
 
 def _transform(monkeypatch, name, fn, shape=None):
     """`register_transform`, undone after the test (a name can be registered only once)."""
-    monkeypatch.setattr(rules_mod, "TRANSFORMS", dict(rules_mod.TRANSFORMS))
-    monkeypatch.setattr(rules_mod, "_SHAPES", dict(rules_mod._SHAPES))
+    from trainrec.conversion import rule_plans, rule_syntax, transforms
+
+    tables = {"TRANSFORMS": dict(transforms.TRANSFORMS), "_SHAPES": dict(transforms._SHAPES)}
+    for mod in (transforms, rule_syntax, rule_plans):  # every module that reads a table: one copy
+        for key, table in tables.items():
+            if hasattr(mod, key):
+                monkeypatch.setattr(mod, key, table)
     rules_mod.register_transform(name, fn, shape=shape)
 
 

@@ -16,7 +16,7 @@ from ..items.tensor import TensorData
 from ..items.tree import Item
 from ..training.record import TrainingRecord
 from ..training.records import StateRecord
-from .rules import Rule
+from .rule_syntax import Rule
 
 # parameter roles, with their neutral layout (see spec/ADAPTERS.md, "Neutral forms")
 ROLES = {

@@ -58,7 +58,7 @@ def _forms_named(rules: list[Rule], where: str) -> list[Rule]:
     """`rules` with `from` / `to` names resolved to neutral forms' names (an adapter's
     name is an alias of its form: `form_registry.FORM_ALIASES`); `ValueError` naming each rule
     whose name no form has, and the known names."""
-    from .form_registry import FORM_ALIASES, form_names  # forms imports this module
+    from .form_registry import FORM_ALIASES, form_names
 
     known = form_names()
     out, problems = [], []

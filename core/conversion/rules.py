@@ -17,6 +17,11 @@ it. A source that an earlier plan already took (one of several sources of a many
 rule) is not tried again. Transforms are found by name in `TRANSFORMS`, which holds the
 built-in ones and those given to `register_transform`; built-in rule sets are `PRESETS`,
 read from the JSON files in `trainrec/conversion/presets/` (their file names are their names).
+
+Its names live one idea per module beside it, and every one is importable from here as
+before (`trainrec.rules` is an alias): `transforms` (registered transforms), `rule_syntax`
+(`Rule` and its language), `rule_files` (`load_rules`, the presets) and `rule_plans`
+(`apply_rules`, `Plan`).
 """
 
 from __future__ import annotations
