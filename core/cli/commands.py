@@ -11,6 +11,10 @@ regular file, should a path change after that check), and every string that come
 path is printed with its control and other non-printable characters escaped (`\x1b`,
 `\n`, `\u202e`), so a crafted key cannot move the cursor, recolour the terminal or
 print a line of its own. `--json` output escapes them as JSON does.
+
+This module holds `main` and the argument parser; each command lives in its own module
+beside it (`inspect_cmd`, `verify_cmd`, `diff_cmd`, `convert_cmd`, with what they share in
+`shared`), and every name importable from here before the split still is.
 """
 
 from __future__ import annotations
