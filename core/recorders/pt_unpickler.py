@@ -1,6 +1,6 @@
 """The restricted unpickler of a `.pt` file's `data.pkl`: a pickle machine that knows only
 the opcodes and the allow-listed globals (tensor rebuilds, storages, dtypes) a state dict
-needs, and never imports or calls anything else. One idea (some 330 lines: the machine).
+needs, and never imports or calls anything else. One idea (some 400 lines, most of them the machine).
 """
 
 from __future__ import annotations

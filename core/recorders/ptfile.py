@@ -12,6 +12,10 @@ objects built are charged to the object budget of `Limits` (16 MiB plus 8 bytes 
 pickle byte, as NamedMpk's reader), nesting to `Limits.max_depth`, and every tensor must
 be the whole of its own contiguous storage (no offsets, strides 0, shared storages), as
 torch's path in the torch adapter demands too.
+
+This module holds `read_pt` and the parse of a file's parts; the zip container
+(`pt_zip`) and the restricted unpickler (`pt_unpickler`) live beside it, and every name
+importable from here before the split still is (`trainrec.ptfile` is an alias).
 """
 
 from __future__ import annotations
