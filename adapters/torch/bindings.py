@@ -11,6 +11,11 @@
 - `TorchLrScheduler(LRScheduler | ReduceLROnPlateau)`: `state_dict`. Functions (the
   lambdas of LambdaLR) are code, not data: torch records them as None and they come from
   the caller's program.
+
+This module holds `TorchAdapter` (and `ADAPTER`); each binding lives in its own module
+beside it, `module_binding`, `optimizer_binding` (with `_STATE_KEYS`), `scheduler_binding`,
+and the state values they share in `state_values`. Every name importable from here before
+the split still is.
 """
 
 from __future__ import annotations
