@@ -53,8 +53,8 @@ from .optimizer_binding import (  # noqa: F401
 from .scheduler_binding import (  # noqa: F401
     TorchLrScheduler,
     _is_scheduler,
-    take_live,
 )
+from .scheduler_binding import take_live as take_live  # imported from here by trainrec itself
 from .state_values import (  # noqa: F401
     _BACKEND,
     _PAIRS,

@@ -30,12 +30,12 @@ from ..errors import RecorderError  # noqa: F401
 from ..storage.files import open_regular  # noqa: F401
 from .rule_files import (  # noqa: F401
     PRESETS,
-    _forms_named,
     _presets,
     _rule_from,
     _rules_from,
     load_rules,
 )
+from .rule_files import _forms_named as _forms_named  # imported from here by trainrec itself
 from .rule_plans import (  # noqa: F401
     Plan,
     RulesResult,

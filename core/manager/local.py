@@ -72,20 +72,22 @@ from ..training.record import TrainingRecord
 from .dirfiles import (  # noqa: F401
     _DELETING,
     _DELETING_NAME,
-    _METRICS_MAX_BYTES,
-    _METRICS_SUFFIX,
     _SAVE_XATTR,
     _SAVING,
     _SAVING_NAME,
     _STEP,
     _TEMP,
-    _finalize,
     _make_durable,
-    _Outcome,
     _remove_tree,
     _save_id_of,
     _unlink_if,
 )
+from .dirfiles import (
+    _METRICS_MAX_BYTES as _METRICS_MAX_BYTES,  # imported from here by trainrec itself
+)
+from .dirfiles import _METRICS_SUFFIX as _METRICS_SUFFIX  # imported from here by trainrec itself
+from .dirfiles import _finalize as _finalize  # imported from here by trainrec itself
+from .dirfiles import _Outcome as _Outcome  # imported from here by trainrec itself
 from .dirlock import (  # noqa: F401
     _NOFOLLOW,
     _NONBLOCK,

@@ -56,11 +56,11 @@ from .burn_namedmpk import (  # noqa: F401
     _is_tensor_map,
     _named_parts,
     gunzip,
-    gz_head,
     parse_namedmpk,
     read_namedmpk,
     read_namedmpk_gz,
 )
+from .burn_namedmpk import gz_head as gz_head  # imported from here by trainrec itself
 from .burn_names import (  # noqa: F401
     _BIN_DTYPES,
     _BOOL_STORES,
@@ -98,12 +98,12 @@ from .burn_names import (  # noqa: F401
     module_tensors,
     nest,
     new_param_id,
-    optimizer_path,
     param_id_text,
     param_id_value,
     split_training_item,
     tensors_in_order,
 )
+from .burn_names import optimizer_path as optimizer_path  # imported from here by trainrec itself
 from .burn_sniff import (  # noqa: F401
     gz_is_burn,
     sniff_bin,

@@ -50,10 +50,10 @@ from .item_checks import (  # noqa: F401
     _kind_of,
     _scalar,
     _value_kind,
-    cast_problem,
     check_tensor_map,
     kind_mismatches,
 )
+from .item_checks import cast_problem as cast_problem  # imported from here by trainrec itself
 from .lazy_fields import (  # noqa: F401
     _LAZY,
     _PENDING,
@@ -64,8 +64,8 @@ from .lazy_fields import (  # noqa: F401
     _materialize,
     _pending_fields,
     _unread,
-    lazy_fields,
 )
+from .lazy_fields import lazy_fields as lazy_fields  # imported from here by trainrec itself
 from .protocols import PrecisionSettings
 from .registry import backend_for
 from .rng_record import (  # noqa: F401
