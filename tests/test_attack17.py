@@ -33,8 +33,13 @@ def _torch_template():
 
 def _transform(monkeypatch, name, fn, shape=None):
     """`register_transform`, undone after the test (a name can be registered only once)."""
-    monkeypatch.setattr(rules_mod, "TRANSFORMS", dict(rules_mod.TRANSFORMS))
-    monkeypatch.setattr(rules_mod, "_SHAPES", dict(rules_mod._SHAPES))
+    from trainrec.conversion import rule_plans, rule_syntax, transforms
+
+    tables = {"TRANSFORMS": dict(transforms.TRANSFORMS), "_SHAPES": dict(transforms._SHAPES)}
+    for mod in (transforms, rule_syntax, rule_plans):  # every module that reads a table: one copy
+        for key, table in tables.items():
+            if hasattr(mod, key):
+                monkeypatch.setattr(mod, key, table)
     rules_mod.register_transform(name, fn, shape=shape)
 
 
@@ -170,7 +175,7 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
         register_neutral_form,
         tensors_of,
     )
-    from trainrec.conversion import convert as convert_mod
+    from trainrec.conversion import form_registry
 
     class ToyForm:
         name, kinds, keeps_rate, rng_markers = "toyfw", ("toyfw",), False, frozenset()
@@ -210,7 +215,7 @@ def test_a_toy_framework_form_written_from_the_guide_converts_to_torch_and_back(
                         out[key][p] = got
             return out, None
 
-    monkeypatch.setattr(convert_mod, "_registered", list(convert_mod._registered))
+    monkeypatch.setattr(form_registry, "_registered", list(form_registry._registered))
     register_neutral_form(ToyForm())
     rng = np.random.default_rng(0)
     shapes = {"layers.0.W": (4, 8), "layers.0.b": (8,), "layers.1.W": (8, 3), "layers.1.b": (3,)}

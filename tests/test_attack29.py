@@ -312,9 +312,9 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path):
 def test_a_step_that_exists_is_never_replaced_even_without_the_lock(tmp_path, monkeypatch):
     """Two managers where the file system has no locks (simulated): the second save of one
     step is refused and the first checkpoint stays, byte for byte."""
-    import trainrec.manager.local as manager
+    import trainrec.manager.dirlock as dirlock  # the directory's lock takes the flock
 
-    monkeypatch.setattr(manager, "_lock", lambda fd: None)
+    monkeypatch.setattr(dirlock, "_lock", lambda fd: None)
     with pytest.warns(UserWarning, match="has no locks"):
         a, b = CheckpointManager(tmp_path), CheckpointManager(tmp_path)
     a.save(5, _record(5), metrics={"loss": 1.0}, block=True)

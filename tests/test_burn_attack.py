@@ -287,9 +287,9 @@ def test_a_burn_file_named_as_another_format_is_refused_naming_both(files, tmp_p
 
 
 def test_a_gzip_stream_that_grows_past_its_cap_is_refused(files, tmp_path, monkeypatch):
-    import trainrec.recorders.burn as burn
+    import trainrec.recorders.burn_namedmpk as burn_namedmpk
 
-    monkeypatch.setattr(burn, "_GZ_BYTES", 100)
-    monkeypatch.setattr(burn, "_GZ_RATIO", 1)
+    monkeypatch.setattr(burn_namedmpk, "_GZ_BYTES", 100)
+    monkeypatch.setattr(burn_namedmpk, "_GZ_RATIO", 1)
     with pytest.raises(trainrec.CorruptRecordError, match="decompresses to more than"):
         read_file(files["gz"])

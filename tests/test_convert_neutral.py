@@ -94,12 +94,12 @@ def test_a_record_no_form_claims_names_its_kinds_and_how_to_register_one():
 
 def test_a_registered_form_claims_before_entry_points(monkeypatch):
     from trainrec.adapters.numpy.neutral import NumpyForm
-    from trainrec.conversion import convert as conversion
+    from trainrec.conversion import form_registry
 
     class Mine(NumpyForm):
         name = "mine"
 
-    monkeypatch.setattr(conversion, "_registered", [])
+    monkeypatch.setattr(form_registry, "_registered", [])
     register_neutral_form(Mine())
     assert framework_of(NumpyRun().record(0)) == "mine"
 
@@ -552,6 +552,7 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
     its sources; where one of them has none, the conversion says which."""
     strict = pytest.importorskip("trainrec_arraystrict")
     from trainrec.conversion import convert as conversion
+    from trainrec.conversion import tensor_plans
     from trainrec.conversion.rules import Plan, RulesResult
 
     def plans(rules, source, target, *, frameworks=None, strict=True):
@@ -560,7 +561,7 @@ def test_a_plan_from_several_sources_needs_each_ones_moment(monkeypatch):
         return RulesResult({"w": Plan("w", ("layers.0.weight", "layers.0.bias"), (5, 3), lambda a: a[0].T, "packed"),
                             "b": Plan("b", ("layers.0.bias",), (3,), lambda a: a[0], "bias")})
 
-    monkeypatch.setattr(conversion, "apply_rules", plans)
+    monkeypatch.setattr(tensor_plans, "apply_rules", plans)  # where the plans are made
     run = NumpyRun("sgd")
     run.model, run.opt, run.sched = MLP((5, 3)), SGD(momentum=0.9), StepLr(0.05, 2)
     x, y = batches(5, 3)
@@ -589,6 +590,7 @@ def test_the_bundled_forms_come_through_entry_points(monkeypatch):
     from types import SimpleNamespace
 
     import trainrec.conversion.convert as tc
+    import trainrec.conversion.form_registry as form_registry
 
     kinds = [("torch.nn.Module", "torch"), ("jax.pytree", "jax"), ("trainrec.numpy.MLP", "trainrec.numpy"),
              ("flax.nnx.Module", "flax.nnx"), ("equinox.Module", "equinox")]
@@ -597,7 +599,7 @@ def test_the_bundled_forms_come_through_entry_points(monkeypatch):
         assert declared[name].startswith("trainrec.adapters.")
         assert tc.form_for(SimpleNamespace(model=SimpleNamespace(kind=kind))).name == name
     monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
-    monkeypatch.setattr(tc, "_loaded", {})
+    monkeypatch.setattr(form_registry, "_loaded", {})
     assert tc.form_for(SimpleNamespace(model=SimpleNamespace(kind="burn.Module"))).name == "burn"
     torch = SimpleNamespace(model=SimpleNamespace(kind="torch.nn.Module"), optimizer=SimpleNamespace(kind="torch.optim.SGD"),
                             scheduler=None)

@@ -27,30 +27,29 @@ to `.{name}.{token}.trainrec-del` (the step is gone at once) before deleting it.
 recorder may name the endings of what a killed save of its own leaves next to a
 checkpoint (`temp_suffixes`, e.g. Orbax's `.orbax-checkpoint-tmp`, optionally followed by
 `-{digits}`); the sweep after each save removes those of steps up to the newest.
+
+This module holds `CheckpointManager` alone (one idea, a class of some 500 lines); the
+directory's lock (`dirlock`), its names and file operations (`dirfiles`) and what a caller
+passes besides the record (`policies`) live beside it, and every name importable from here
+before the split still is (`from .dirfiles import ...  # noqa: F401` re-exports them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import inspect
 import json
-import math
-import operator
 import os
 import re
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import sys
 import threading
-import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
@@ -58,7 +57,7 @@ from typing import Any, Literal
 from ..errors import FileMissingError, RecorderError
 from ..precision import NativePrecisionSettings
 from ..recorders.namedmpk import NamedMpkFileRecorder
-from ..storage.atomic import (
+from ..storage.atomic import (  # noqa: F401
     _TOKEN_HEX,
     TEMP_SUFFIX,
     _fsync_dir,
@@ -70,63 +69,43 @@ from ..storage.files import json_fits, kind_of, read_json
 from ..storage.location import is_url, location
 from ..training.protocols import Recorder
 from ..training.record import TrainingRecord
+from .dirfiles import (  # noqa: F401
+    _DELETING,
+    _DELETING_NAME,
+    _SAVE_XATTR,
+    _SAVING,
+    _SAVING_NAME,
+    _STEP,
+    _TEMP,
+    _make_durable,
+    _remove_tree,
+    _save_id_of,
+    _unlink_if,
+)
+from .dirfiles import (
+    _METRICS_MAX_BYTES as _METRICS_MAX_BYTES,  # imported from here by trainrec itself
+)
+from .dirfiles import _METRICS_SUFFIX as _METRICS_SUFFIX  # imported from here by trainrec itself
+from .dirfiles import _finalize as _finalize  # imported from here by trainrec itself
+from .dirfiles import _Outcome as _Outcome  # imported from here by trainrec itself
+from .dirlock import (  # noqa: F401
+    _NOFOLLOW,
+    _NONBLOCK,
+    LOCK_NAME,
+    _DirectoryLock,
+    _held_by,
+)
+from .policies import (  # noqa: F401
+    KeepBest,
+    Metrics,
+    Preemption,
+    _metrics_arg,
+    _positive_or_none,
+    _rank,
+    _step_arg,
+)
 
 __all__ = ["CheckpointManager", "KeepBest", "Preemption"]
-
-Metrics = Mapping[str, float]
-_METRICS_SUFFIX = ".metrics.json"
-_METRICS_MAX_BYTES = 1 << 20
-"""A step's metrics file is read only up to this size (and a save refuses larger metrics)."""
-_STEP = re.compile(r"step-(\d{8,})")
-_TEMP = re.compile(rf"\.(step-.+)\.[0-9a-f]{{{_TOKEN_HEX}}}" + re.escape(TEMP_SUFFIX))
-"""A temp file of `_atomic.atomic_write` for a target named `step-...`."""
-_DELETING = ".trainrec-del"
-"""A directory checkpoint being deleted by retention: `.{name}.{token}` + this."""
-_DELETING_NAME = re.compile(r"\.(.+?)(?:\.[0-9a-f]{12})?" + re.escape(_DELETING))
-_SAVING = ".trainrec-save-"
-"""The private folder of a save in flight: this + its save id (24 hex digits)."""
-_SAVING_NAME = re.compile(re.escape(_SAVING) + r"[0-9a-f]{24}")
-LOCK_NAME = ".trainrec-lock"
-"""The file a writing manager holds an exclusive `flock` on."""
-_SAVE_XATTR = "user.trainrec.save"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-
-
-@dataclass(frozen=True)
-class KeepBest:
-    """Keep the `k` steps with the best value of `metric`: the lowest (`mode="min"`) or
-    the highest (`"max"`). Ties go to the newer step; a NaN ranks after every number.
-
-    Raises `TypeError` / `ValueError` for a metric that is not a non-empty str, a mode
-    other than "min" or "max", or a `k` that is not an int >= 1."""
-
-    metric: str
-    mode: Literal["min", "max"]
-    k: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.metric, str) or not self.metric:
-            raise TypeError(f"KeepBest.metric must be a non-empty str, got {self.metric!r}")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"KeepBest.mode must be 'min' or 'max', got {self.mode!r}")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"KeepBest.k must be an int >= 1, got {self.k!r}")
-
-
-class Preemption:
-    """The flag `CheckpointManager.preemption()` yields: true once one of its signals
-    arrived (`signal` says which). Check it in the training loop."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-
-    def __bool__(self) -> bool:
-        return self.signal is not None
-
-    def __repr__(self) -> str:
-        name = None if self.signal is None else signal.Signals(self.signal).name
-        return f"Preemption(signal={name})"
 
 
 class CheckpointManager:
@@ -635,212 +614,3 @@ class CheckpointManager:
         return FileMissingError(
             f"no complete checkpoint for step {step}; the steps there are: {shown or 'none'}",
             source=str(self.directory))
-
-
-class _DirectoryLock:
-    """The exclusive `flock` on `directory/.trainrec-lock` a writing manager holds. The
-    file says who holds it (pid, host, since when); it is never deleted (a lock file
-    deleted and made again could be locked twice). The kernel drops the lock when the
-    holder's process ends, however it ends; a child made by `fork` does not keep it."""
-
-    _live: weakref.WeakSet[_DirectoryLock] = weakref.WeakSet()
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / LOCK_NAME
-        self.fd: int | None = None
-        self.enforced = False
-        """Whether the file system gave the lock (False where it has none: NFS without
-        lockd, some FUSE mounts; the manager then warns and writes unlocked)."""
-
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
-    def acquire(self) -> None:
-        flags = (os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK
-                 | getattr(os, "O_CLOEXEC", 0))
-        source = str(self.path)
-        for _ in range(100):
-            try:
-                fd = os.open(self.path, flags, 0o644)
-            except OSError as e:
-                if os.path.islink(self.path):
-                    raise RecorderError("the directory's lock file is a symbolic link, never "
-                                        "followed: remove it", source=source) from e
-                hint = ("; to only read this directory, use CheckpointManager(..., "
-                        "read_only=True)" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-                        else "")
-                raise RecorderError(f"cannot open the directory's lock file: {e}{hint}",
-                                    source=source) from e
-            try:
-                found = os.fstat(fd)
-                if not stat.S_ISREG(found.st_mode):
-                    raise RecorderError(f"the directory's lock file is {kind_of(found.st_mode)}, "
-                                        "not a regular file: remove it", source=source)
-                got = _lock(fd)
-                if got is False:
-                    raise RecorderError(_held_by(self.path), source=str(self.path.parent))
-                if got is True:
-                    linked = os.stat(self.path, follow_symlinks=False)
-                    if (linked.st_dev, linked.st_ino) != (found.st_dev, found.st_ino):
-                        os.close(fd)  # replaced between our open and our lock: lock the new one
-                        continue
-                else:
-                    warnings.warn(f"trainrec: the file system of {self.path.parent} has no locks: "
-                                  "nothing keeps a second CheckpointManager from writing there",
-                                  stacklevel=4)
-                holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                     "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, holder.encode(), 0)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.fd, self.enforced = fd, got is True
-            _DirectoryLock._live.add(self)
-            return
-        raise RecorderError("the directory's lock file keeps being replaced", source=source)
-
-    def release(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    @staticmethod
-    def _forget_in_child() -> None:
-        """After `fork`, in the child: close its copies of the lock files (the parent keeps
-        its locks; a child that outlives it must not hold them)."""
-        for lock in list(_DirectoryLock._live):
-            lock.release()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_DirectoryLock._forget_in_child)
-
-
-def _held_by(path: Path) -> str:
-    """Who holds the lock at `path`, as the file says, in a sentence."""
-    who = "a process whose lock file says nothing readable"
-    try:
-        doc = read_json(path, max_bytes=4096, max_depth=1, follow=False)
-        if isinstance(doc, dict):
-            pid, host = doc.get("pid"), doc.get("host")
-            who = f"pid {pid!r} on host {host!r}"
-            if doc.get("since"):
-                who += f" (since {doc['since']})"
-            if pid == os.getpid() and host == socket.gethostname():
-                who += ": this process; close() that manager first, or save with it"
-    except RecorderError:
-        pass
-    return (f"another CheckpointManager writes to this directory: {who}. One writer per "
-            "directory: stop it first, or read with CheckpointManager(..., read_only=True)")
-
-
-def _save_id_of(path: Path) -> str | None:
-    """The save id a checkpoint carries (`user.trainrec.save`), None where it has none (a
-    file system without extended attributes, or a copy that dropped them)."""
-    try:
-        return os.getxattr(path, _SAVE_XATTR, follow_symlinks=False).decode("ascii", "replace")
-    except (OSError, AttributeError):
-        return None
-
-
-def _unlink_if(path: Path, expected: os.stat_result) -> None:
-    """Remove `path` when it is still the file `expected` describes."""
-    with contextlib.suppress(OSError):
-        found = os.lstat(path)
-        if (found.st_dev, found.st_ino) == (expected.st_dev, expected.st_ino):
-            os.unlink(path)
-
-
-def _remove_tree(path: Path) -> None:
-    """Delete a real directory (never a link, never through one; errors ignored)."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISDIR(os.lstat(path).st_mode):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-class _Outcome:
-    """The error of the latest background save, until the caller's thread raises it."""
-
-    error: BaseException | None = None
-
-
-def _finalize(outcome: _Outcome, lock: _DirectoryLock) -> None:
-    """When the manager is collected or the program ends: release the lock, and report
-    a background error nobody raised."""
-    lock.release()
-    if outcome.error is not None:
-        print(f"trainrec: a background checkpoint save failed and its error was never raised "
-              f"(call CheckpointManager.wait()): {outcome.error!r}", file=sys.stderr)
-
-
-def _step_arg(step: Any) -> int:
-    if isinstance(step, bool):
-        raise TypeError("a step is a non-negative int, got a bool")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise TypeError(f"a step is a non-negative int, got {type(step).__name__}") from None
-    if value < 0:
-        raise ValueError(f"a step is a non-negative int, got {value}")
-    return value
-
-
-def _positive_or_none(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
-    return value
-
-
-def _metrics_arg(metrics: Metrics | None, best: KeepBest | None) -> dict[str, float]:
-    if metrics is None:
-        metrics = {}
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"metrics must be a mapping of str to numbers, got {type(metrics).__name__}")
-    values: dict[str, float] = {}
-    for k, v in metrics.items():
-        if not isinstance(k, str):
-            raise TypeError(f"metric names are str, got {k!r}")
-        if isinstance(v, bool):
-            raise TypeError(f"metric {k!r} is a bool, not a number")
-        try:
-            values[k] = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"metric {k!r} must be a real number, got {type(v).__name__}") from None
-    if best is not None and best.metric not in values:
-        raise ValueError(f"metrics must hold {best.metric!r}, the metric best= ranks by; got "
-                         f"{sorted(values)}")
-    return values
-
-
-def _rank(value: float, mode: str) -> tuple[int, float]:
-    if math.isnan(value):
-        return (1, 0.0)
-    return (0, value if mode == "min" else -value)
-
-
-def _make_durable(path: Path) -> None:
-    """fsync a checkpoint (a file, or a directory with every file and folder in it) and
-    the directory that holds it."""
-    paths = [path]
-    if path.is_dir():
-        for root, dirs, files in os.walk(path):
-            paths += [Path(root, n) for n in (*dirs, *files)]
-    flags = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    for p in paths:
-        try:
-            fd = os.open(p, flags)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                continue  # a link: not part of what the recorder wrote
-            raise
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode) or stat.S_ISDIR(os.fstat(fd).st_mode):
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    _fsync_dir(path.parent)
