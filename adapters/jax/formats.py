@@ -1,6 +1,6 @@
-"""The JAX adapter's record file format (Orbax checkpoint directories) and `trainrec check
---recorder orbax`, declared in trainrec's entry points (`trainrec.formats`,
-`trainrec.check_recorders`) as any adapter's are. Importing this module imports no JAX:
+"""The JAX adapter's record file format (Orbax checkpoint directories), `trainrec check
+--recorder orbax` and fork check, declared in trainrec's entry points (`trainrec.formats`,
+`trainrec.check_recorders`, `trainrec.fork_prepare`) as any adapter's are. Importing this module imports no JAX:
 the reader needs orbax-checkpoint and is imported when a checkpoint is read."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from trainrec import Format, RecorderError
 from trainrec.adapter_kit import Header, Item, PrecisionSettings
 
-__all__ = ["ORBAX", "orbax_recorder"]
+__all__ = ["ORBAX", "fork_prepare", "orbax_recorder"]
 
 
 def _sniff_orbax(head: bytes) -> bool:
@@ -43,3 +43,14 @@ def orbax_recorder(native: PrecisionSettings) -> Any:
     from .orbax_recorder import OrbaxRecorder
 
     return OrbaxRecorder(native)
+
+
+def fork_prepare() -> str | None:
+    """`trainrec.check.zygote`'s fork check for a process that imported JAX: once its
+    backends are initialized JAX runs threads of its own, and a fork can deadlock (JAX warns
+    so at every fork); before that a fork is safe."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return "JAX's backends are initialized in it (JAX is multithreaded: a fork can deadlock)"
+    return None

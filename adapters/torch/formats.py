@@ -1,6 +1,6 @@
-"""The torch adapter's record file formats and `trainrec check --recorder` names, declared
-in trainrec's entry points (`trainrec.formats`, `trainrec.check_recorders`) as any
-adapter's are. Importing this module imports no torch: each reader and recorder is
+"""The torch adapter's record file formats, `trainrec check --recorder` names and fork check,
+declared in trainrec's entry points (`trainrec.formats`, `trainrec.check_recorders`,
+`trainrec.fork_prepare`) as any adapter's are. Importing this module imports no torch: each reader and recorder is
 imported when first used (a `.pt` file is read by core's torch-free reader)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 from trainrec import Format, RecorderError
 from trainrec.adapter_kit import Header, Item, PrecisionSettings, ptfile
 
-__all__ = ["TORCH", "DISTRIBUTED", "DCP", "file_recorder", "ddp_recorder", "dcp_recorder"]
+__all__ = ["TORCH", "DISTRIBUTED", "DCP", "file_recorder", "ddp_recorder", "dcp_recorder",
+           "fork_prepare"]
 
 
 def _sniff_torch(head: bytes) -> bool:
@@ -103,3 +104,16 @@ def dcp_recorder(native: PrecisionSettings) -> Any:
     from .dcp import DCPRecorder
 
     return DCPRecorder()
+
+
+def fork_prepare() -> str | None:
+    """`trainrec.check.zygote`'s fork check for a process that imported torch: a CUDA
+    context cannot be used in a forked process (the reason, then); otherwise import what
+    building an optimizer imports (`torch._dynamo`, about 1.5 s of CPU), once for every run."""
+    import torch
+
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "CUDA is initialized in it (a forked process cannot use CUDA)"
+    import torch._dynamo  # noqa: F401 - torch.optim.Optimizer's __init__ imports it
+
+    return None

@@ -1,7 +1,7 @@
 """`trainrec check`: prove that a training loop resumes exactly, and say what broke it.
 
 `check_resume(workload)` runs the loop (a `trainrec.Workload`) without stopping, and for
-each `at=K` checkpoints it after micro-step K, resumes in a fresh process and compares the
+each `at=K` checkpoints it after micro-step K, resumes in a process of its own and compares the
 whole training state with the uninterrupted run's right after the restore (micro-step K)
 and after every following micro-step: model, optimizer, scheduler, pending gradients, the
 caller's state field by field, RNG states, and the batch each micro-step consumed where it
@@ -10,7 +10,9 @@ component, key, max abs difference) and the likely cause with its fix, worked ou
 and when the divergence first appears (`trainrec.check.causes`).
 
 The processes are the roles of `trainrec.check.run`: one reference run (it also writes the
-checkpoints: a save does not change the run) and one fresh process per `at`, two at a time;
+checkpoints: a save does not change the run) and one process per `at`, two at a time, each
+forked from a zygote (`trainrec.check.zygote`: the reference from one, the resumes from
+another) or a fresh interpreter where forking is unsafe;
 the first resumes start with the reference and import and build the workload while it
 trains, then wait for it to end before they restore. Cost: the reference trains `steps`
 micro-steps and each resume `steps - K`, so the check's wall time stays under (1 + len(at))
@@ -25,6 +27,7 @@ size of a checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import math
@@ -33,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +46,7 @@ from typing import Any
 
 from ..workload.loop import Workload
 from .causes import explain
+from .forks import Forked, Zygote
 from .state import COMPONENTS, load_target, named_recorder
 
 __all__ = [
@@ -200,6 +205,8 @@ def _cost_text(report: ResumeReport) -> str:
     if "runs" in t:
         text += (f"; {t['runs']:g} processes, each starting in {t['startup_s']:.1f} s "
                  f"(the uninterrupted run) to {t['resume_startup_s']:.1f} s (the slowest resume)")
+        if "forked_from_s" in t:
+            text += (f", forked from one that imported the workload in {t['forked_from_s']:.1f} s")
     return text + ")"
 
 
@@ -262,20 +269,25 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-_Started = list[tuple[subprocess.Popen[str], Path]]
+_Started = list[tuple["subprocess.Popen[str] | Forked", Path]]
 
 
-def _start(args: list[str], out: Path, nproc: int) -> _Started:
-    """Start one role as `nproc` ranks, each writing its result to `out-r{rank}.json`."""
+def _start(args: list[str], out: Path, nproc: int, zygote: Zygote | None = None) -> _Started:
+    """Start one role as `nproc` ranks, each writing its result to `out-r{rank}.json`:
+    forked by `zygote` (`trainrec.check.zygote`), or as fresh interpreters without one."""
     port = str(_free_port())
-    procs = []
+    procs: _Started = []
     for rank in range(nproc):
         dist = {} if nproc == 1 else {
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         rank_out = out.with_name(f"{out.name}-r{rank}.json")
-        cmd = [sys.executable, "-m", "trainrec.check.run", *args, "--out", str(rank_out),
-               "--launched", repr(time.time())]
+        role = [*args, "--out", str(rank_out), "--launched", repr(time.time())]
+        if zygote is not None:
+            procs.append((zygote.fork(role, dist, out.with_name(f"{out.name}-r{rank}.log")),
+                          rank_out))
+            continue
+        cmd = [sys.executable, "-m", "trainrec.check.run", *role]
         procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        text=True, env=_child_env(dist)), rank_out))
     return procs
@@ -356,6 +368,7 @@ def check_resume(
     tmp = None if workdir else tempfile.TemporaryDirectory(prefix="trainrec-check-")
     wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
     early: _Started | None = None
+    forks = _Forks(ref, timeout)
     try:
         wd.mkdir(parents=True, exist_ok=True)
         if reused_dir is None and not isinstance(workload, Workload) and not _imported(ref):
@@ -366,18 +379,19 @@ def check_resume(
                             *(["--steps", str(steps)] if steps is not None else []),
                             *(["--window", str(window)] if window is not None else []),
                             "--at", *(map(str, at) if at is not None else ["default"])],
-                           wd / "reference", nproc)
+                           wd / "reference", nproc, forks.zygote("reference"))
         loaded = workload if isinstance(workload, Workload) else None if early else _load(ref)
         return _check_resume(
             ref, loaded, at=at, steps=steps,
             window=window, recorder=recorder, nproc=nproc, seed=seed, plot=plot,
             without_pending=without_pending, jobs=jobs, timeout=timeout, wd=wd,
-            reference=reused_dir, early=early, t_start=t_start)
+            reference=reused_dir, early=early, t_start=t_start, forks=forks)
     finally:
         for proc, _ in early or ():
             if proc.poll() is None:  # refused before its result was awaited
                 proc.kill()
                 proc.communicate()
+        forks.close()
         if tmp is not None:
             tmp.cleanup()
 
@@ -425,6 +439,73 @@ def _await_resolved(early: _Started, timeout: float) -> tuple[int, int, list[int
     return int(got["steps"]), int(got["window"]), [int(k) for k in got["at"]]
 
 
+_KEPT = 4
+"""Zygotes kept at most (each holds its framework's imports: a few hundred MB)."""
+
+
+class _Forks:
+    """The two zygotes of a check (`trainrec.check.zygote`): one forks the uninterrupted
+    run, the other the resumes, so that a resume and the run it is compared with come from
+    two interpreters (each with its own hash seed and memory layout, as fresh processes
+    are: a loop that depends on either still diverges). They are started with the first
+    run that needs them and kept for the next check of a workload of the same module in
+    this process (same environment), while none of the files they imported changed (the
+    `_KEPT` most recent);
+    `zygote(role)` is `None` where runs start as fresh interpreters."""
+
+    _kept: dict[tuple[str, ...], Zygote] = {}
+    _spawned: dict[tuple[str, ...], Any] = {}  # started, not yet awaited
+    _lock = threading.Lock()
+
+    def __init__(self, ref: str, timeout: float) -> None:
+        self._ref, self._timeout = ref, timeout
+        self._env = _child_env({})
+        self._module = ref.rpartition(":")[0]
+        self._got: dict[str, Zygote | None] = {}
+
+    def _key(self, role: str) -> tuple[str, ...]:
+        return (role, self._module, os.getcwd(), *(f"{k}={v}" for k, v in sorted(self._env.items())))
+
+    def zygote(self, role: str) -> Zygote | None:
+        if role in self._got:
+            return self._got[role]
+        with self._lock:
+            kept = self._kept.pop(self._key(role), None)
+            if kept is not None and not kept.fresh():
+                kept.close()
+                kept = None
+            if kept is None and role == "reference":  # the resumes' imports at the same time
+                other = self._key("resume")
+                if other not in self._kept and other not in self._spawned:
+                    self._spawned[other] = Zygote.spawn(self._ref, self._env)
+            spawned = self._spawned.pop(self._key(role), None)
+            got = kept or Zygote.ready(spawned or Zygote.spawn(self._ref, self._env),
+                                       self._timeout)
+            self._got[role] = got
+            if got is not None:
+                self._kept[self._key(role)] = got
+                if len(self._kept) == 1:
+                    atexit.register(_Forks.close_all)
+                while len(self._kept) > _KEPT:  # the oldest goes (a dict keeps the order)
+                    self._kept.pop(next(iter(self._kept))).close()
+        return got
+
+    def close(self) -> None:
+        """The zygotes stay for the next check (`close_all` ends them at exit)."""
+
+    @classmethod
+    def close_all(cls) -> None:
+        with cls._lock:
+            kept, cls._kept = list(cls._kept.values()), {}
+            spawned, cls._spawned = list(cls._spawned.values()), {}
+        for z in kept:
+            z.close()
+        for proc in spawned:
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+
+
 def _imported(ref: str) -> bool:
     return ref.rpartition(":")[0] in sys.modules
 
@@ -447,7 +528,7 @@ def _check_resume(
     ref: str, loaded: Any, *, at: Sequence[int] | None, steps: int | None, window: int | None,
     recorder: str, nproc: int, seed: int, plot: str | os.PathLike[str] | None,
     without_pending: bool | None, jobs: int, timeout: float, wd: Path, reference: Path | None,
-    early: _Started | None, t_start: float,
+    early: _Started | None, t_start: float, forks: _Forks,
 ) -> ResumeReport:
     if loaded is None:  # the uninterrupted run imported it and resolved the defaults
         steps, window, ats = _await_resolved(early or [], timeout)
@@ -464,14 +545,16 @@ def _check_resume(
     # the resumes start with the uninterrupted run: each imports and builds the workload
     # while it trains, then waits for it to end (its result file) before it restores
     started = None if reused else early or _start(
-        ["reference", *common, "--at", *map(str, ats)], wd / "reference", nproc)
+        ["reference", *common, "--at", *map(str, ats)], wd / "reference", nproc,
+        forks.zygote("reference"))
+    zygote = forks.zygote("resume")
     after = [] if started is None else [
         "--after", str(wd / "reference"), "--after-pid", *(str(p.pid) for p, _ in started)]
     with ThreadPoolExecutor(max_workers=max(1, jobs // nproc)) as pool:
         resumes = [pool.submit(lambda run: _finish(_start(
             ["resume", *common, "--at", str(run[0]), *after,
              *(["--drop-pending"] if run[1] else [])],
-            wd / f"{'drop' if run[1] else 'resume'}-{run[0]}", nproc), 2 * timeout,
+            wd / f"{'drop' if run[1] else 'resume'}-{run[0]}", nproc, zygote), 2 * timeout,
             f"resume after micro-step {run[0]}{' without pending gradients' if run[1] else ''}"),
             run) for run in runs]
         try:
@@ -505,7 +588,8 @@ def _check_resume(
                "startup_s": max(r.get("startup_s", 0.0) for r in reference_runs),
                "resume_startup_s": max(r.get("startup_s", 0.0) for r in resumed),
                "resume_train_s": max(r["train_s"] for r in resumed),
-               "runs": len(runs) + (reused is None)}
+               "runs": len(runs) + (reused is None),
+               **({"forked_from_s": zygote.ready_s} if zygote is not None else {})}
     report = ResumeReport(ref, steps, window, recorder, nproc, checks,
                           time.perf_counter() - t_start, train_s, timings,
                           reused["workload"] if reused else None)
