@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -71,8 +71,11 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     venv.EnvBuilder(with_pip=True).create(env_dir)
     py = env_dir / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
-    deps = sysconfig.get_paths()["purelib"]  # numpy, msgpack, ml_dtypes from this env
-    env = {**os.environ, "PYTHONPATH": deps}
+    # numpy, msgpack, ml_dtypes, array_api_compat and einops from this env, wherever it
+    # keeps them (a venv may reach another's site-packages through a .pth file)
+    deps = {str(Path(importlib.import_module(m).__file__).parents[1])
+            for m in ("numpy", "msgpack", "ml_dtypes", "array_api_compat", "einops")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sorted(deps))}
     out = subprocess.run(
         [str(py), "-c", "import trainrec, trainrec.adapters.numpy; print(trainrec.__file__)"],
         check=True, capture_output=True, text=True, env=env, cwd=tmp_path,
