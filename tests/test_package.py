@@ -80,9 +80,12 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     assert "trainrec = trainrec.cli:main" in text and "[trainrec.adapters]" in text
 
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
+    # this env's pip installs into the fresh one, run by its interpreter (`--python`): no
+    # pip of its own to bootstrap there (ensurepip was a third of this test's CPU)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+                    str(wheel)], check=True)
     # numpy, msgpack, ml_dtypes, array_api_compat and einops from this env, wherever it
     # keeps them (a venv may reach another's site-packages through a .pth file)
     deps = {str(Path(importlib.import_module(m).__file__).parents[1])
