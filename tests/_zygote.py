@@ -75,8 +75,11 @@ def _child(job: dict[str, Any]) -> int:
     code: int = 0
     try:
         if argv[0] == "-m":
-            if argv[1] in sys.modules:  # it would run as a second copy of itself
-                raise RuntimeError(f"{argv[1]} was imported by the zygote: leave it out")
+            ran = argv[1]
+            if hasattr(sys.modules.get(ran), "__path__"):  # a package runs its __main__
+                ran += ".__main__"
+            if ran in sys.modules:  # it would run as a second copy of itself
+                raise RuntimeError(f"{ran} was imported by the zygote: leave it out")
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -199,7 +202,8 @@ class Zygote:
             codes[int(index)] = int(code)
         out = []
         for i, job in enumerate(sent):
-            stdout, stderr = (Path(job[k]).read_text(errors="replace") for k in ("stdout", "stderr"))
+            # decoded as subprocess.run(..., text=True) does: bytes that are not text raise
+            stdout, stderr = (Path(job[k]).read_text() for k in ("stdout", "stderr"))
             out.append(subprocess.CompletedProcess(job["argv"], codes[i], stdout, stderr))
             for k in ("stdout", "stderr"):
                 os.unlink(job[k])
