@@ -8,12 +8,27 @@ import sys
 
 import numpy as np
 import pytest
+from _zygote import Zygote
 
 from trainrec import DefaultRecorder, NamedMpkGzFileRecorder, TensorData
 
+_ZYGOTE: list[Zygote] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cli_zygote():
+    yield
+    while _ZYGOTE:
+        _ZYGOTE.pop().close()
+
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainrec", *args], capture_output=True, text=True)
+    """`python -m trainrec ARGS` in a process of its own, forked from a zygote that imported
+    trainrec's CLI once (tests/_zygote.py): no interpreter start-up per command."""
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(["trainrec.cli"]))
+    (out,) = _ZYGOTE[0].run([{"argv": ["-m", "trainrec", *args]}])
+    return out
 
 
 def _files(tmp_path):

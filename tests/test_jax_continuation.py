@@ -36,9 +36,15 @@ NO_PENDING = [("default", 2)]
 UNCACHED = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
+# what every role process imports: forked from a zygote that imported them (see
+# continuation.continuation_results), a process costs no jax, optax and flax import
+PRELOAD = ["jax", "jax.numpy", "optax", "flax", "trainrec.adapters.jax", "trainrec.adapters.jax.demo"]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"), reference_env=UNCACHED)
+    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"), reference_env=UNCACHED,
+                                preload=PRELOAD)
 
 
 def test_the_fresh_processes_share_the_suites_compilation_cache(results):

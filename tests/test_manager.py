@@ -3,6 +3,7 @@ error surfacing, every recorder (spec/PROTOCOLS.md, "CheckpointManager")."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -418,7 +419,8 @@ def test_misuse_raises_clearly(tmp_path):
 
 _CRASHER = textwrap.dedent(
     """
-    import os, signal, sys, numpy as np, trainrec
+    import atexit, json, os, signal, sys, traceback, numpy as np, trainrec
+    import trainrec.manager.local
     from trainrec import CheckpointManager, TrainingRecord, GradientsAccumulator
     from trainrec.adapters.numpy import MLP, AdamW, StepLr
 
@@ -426,7 +428,6 @@ _CRASHER = textwrap.dedent(
     class Tagged:
         step: int
 
-    directory, start, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     calls = 0
 
     def counted(real):
@@ -438,24 +439,98 @@ _CRASHER = textwrap.dedent(
             return real(*a, **kw)
         return call
 
-    model, opt, sched = MLP([512, 1024, 512], seed=0), AdamW(), StepLr(0.1, 2)
-    mgr = CheckpointManager(directory, keep_last=1, keep_every=4, best=("loss", "min", 1))
-    if kill_at >= 0:  # kill before the kill_at-th rename, unlink or fsync of one save
-        for name in ("replace", "unlink", "fsync"):
-            setattr(os, name, counted(getattr(os, name)))
-        import trainrec.manager.local  # the manager's own renames (never over anything)
-        trainrec.manager.local.rename_noreplace = counted(trainrec.manager.local.rename_noreplace)
-    print("ready", flush=True)
-    for s in range(start, start + 10_000):
-        for v in model.params.values():
-            v[...] = s
-        mgr.save(s, TrainingRecord.capture(model, opt, sched, GradientsAccumulator(), Tagged(s)),
-                 metrics={"loss": (s * 7919) % 13}, block=kill_at >= 0)
-        if kill_at >= 0:
-            print(calls, flush=True)
-            break
+    def crasher(directory, start):
+        model, opt, sched = MLP([512, 1024, 512], seed=0), AdamW(), StepLr(0.1, 2)
+        mgr = CheckpointManager(directory, keep_last=1, keep_every=4, best=("loss", "min", 1))
+        if kill_at >= 0:  # kill before the kill_at-th rename, unlink or fsync of one save
+            for name in ("replace", "unlink", "fsync"):
+                setattr(os, name, counted(getattr(os, name)))
+            # the manager's own renames (never over anything)
+            trainrec.manager.local.rename_noreplace = counted(trainrec.manager.local.rename_noreplace)
+        print("ready", os.getpid(), flush=True)
+        for s in range(start, start + 10_000):
+            for v in model.params.values():
+                v[...] = s
+            mgr.save(s, TrainingRecord.capture(model, opt, sched, GradientsAccumulator(), Tagged(s)),
+                     metrics={"loss": (s * 7919) % 13}, block=kill_at >= 0)
+            if kill_at >= 0:
+                print(calls, flush=True)
+                break
+
+    # the zygote: imported once, it saves nothing itself; each line asks for one crasher
+    print("zygote", flush=True)
+    for line in iter(sys.stdin.readline, ""):
+        directory, start, kill_at, err = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 2)
+                signal.alarm(120)  # a crasher that hangs ends (SIGALRM) instead of the test
+                crasher(directory, start)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            try:
+                atexit._run_exitfuncs()  # as at a program's end: the manager's finalizer
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print("exit", os.waitstatus_to_exitcode(status), flush=True)
     """
 )
+"""Each crasher is a child forked from a zygote process that imported numpy and trainrec once
+(and never saved): a process of its own that opens a `CheckpointManager`, says "ready PID",
+and saves from step `start` on, until the test SIGKILLs it (`kill_at` -1), or saves one step,
+killing itself before its `kill_at`-th rename, unlink or fsync (0: never; it then prints how
+many it made), without an interpreter start-up per kill. The zygote reaps it and prints
+"exit CODE" (negative: the signal); its stderr goes to a file of its own."""
+
+
+class _Crashers:
+    """The test's end of the `_CRASHER` zygote."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        script = tmp_path / "crasher.py"
+        script.write_text(_CRASHER)
+        self.tmp_path = tmp_path
+        self.runs = 0
+        self.zygote = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True)
+        assert self.zygote.stdin is not None and self.zygote.stdout is not None
+        self.stdin, self.stdout = self.zygote.stdin, self.zygote.stdout
+        assert self.stdout.readline().strip() == "zygote"  # the imports are done
+
+    def start(self, directory: Path, start: int, kill_at: int) -> Path:
+        self.runs += 1
+        err = self.tmp_path / f"crasher-{self.runs}.err"
+        self.stdin.write(json.dumps([str(directory), start, kill_at, str(err)]) + "\n")
+        self.stdin.flush()
+        return err
+
+    def reap(self, err: Path) -> subprocess.CompletedProcess[str]:
+        """The crasher's exit code, stdout (after its "ready" line) and stderr, once it is gone."""
+        lines = []
+        while not (line := self.stdout.readline()).startswith("exit "):
+            assert line, "the zygote died"
+            lines.append(line)
+        return subprocess.CompletedProcess([], int(line.split()[1]), "".join(lines), err.read_text())
+
+    def run(self, directory: Path, start: int, kill_at: int) -> subprocess.CompletedProcess[str]:
+        return self.reap(self.start(directory, start, kill_at))
+
+    def close(self) -> None:
+        self.zygote.kill()
+        self.zygote.communicate()
+
+
+@pytest.fixture
+def crashers(tmp_path):
+    zygote = _Crashers(tmp_path)
+    yield zygote
+    zygote.close()
 
 
 def _check_directory(directory: Path) -> list[int]:
@@ -468,13 +543,8 @@ def _check_directory(directory: Path) -> list[int]:
     return steps
 
 
-def test_a_crash_at_every_phase_of_a_save_leaves_every_listed_step_loadable(tmp_path):
-    script = tmp_path / "crasher.py"
-    script.write_text(_CRASHER)
-
-    def run(directory, start, kill_at):
-        return subprocess.run([sys.executable, str(script), str(directory), str(start), str(kill_at)],
-                              capture_output=True, text=True, timeout=120)
+def test_a_crash_at_every_phase_of_a_save_leaves_every_listed_step_loadable(tmp_path, crashers):
+    run = crashers.run
 
     def copy_of_base(name):
         directory = tmp_path / name
@@ -507,20 +577,17 @@ def test_a_crash_at_every_phase_of_a_save_leaves_every_listed_step_loadable(tmp_
         assert leftover == set(), (kill_at, leftover)
 
 
-def test_sigkill_at_random_moments_leaves_every_listed_step_loadable(tmp_path):
-    script = tmp_path / "crasher.py"
-    script.write_text(_CRASHER)
+def test_sigkill_at_random_moments_leaves_every_listed_step_loadable(tmp_path, crashers):
     rng = random.Random(18)
     start, kills, saved = 1, 0, 0
     deadline = time.monotonic() + 90
     while kills < 12 and time.monotonic() < deadline:
-        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), str(start), "-1"],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
+        err = crashers.start(tmp_path / "run", start, -1)
+        ready = crashers.stdout.readline().split()
+        assert ready[:1] == ["ready"], (ready, err.read_text())
         time.sleep(rng.uniform(0.0, 0.6))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        os.kill(int(ready[1]), signal.SIGKILL)
+        assert crashers.reap(err).returncode == -signal.SIGKILL
         kills += 1
         steps = _check_directory(tmp_path / "run")
         if steps:

@@ -5,7 +5,9 @@ micro-step position of an accumulation window, the core NamedMpk recorder and
 Each torch process costs seconds (torch and its optimizer machinery import), so one
 process per workload writes all of its checkpoints, one fresh process per workload
 resumes them all (it has trained nothing when it loads the first; each resume goes into
-objects built afresh), and independent processes run two at a time.
+objects built afresh), and independent processes run two at a time, each forked from a
+zygote that imported torch once (a process of its own; the resumes' zygote is not the
+one the checkpoints and references came from).
 """
 
 from __future__ import annotations
@@ -32,9 +34,14 @@ CASES = [  # (variant, position in the window, recorder)
 NO_PENDING = [("default", 2), ("bf16", 2)]
 
 
+# what every role process imports: forked from a zygote that imported them (see
+# continuation.continuation_results), a process costs no torch import
+PRELOAD = ["torch", "torch.optim", "trainrec.adapters.torch", "trainrec.adapters.torch.demo"]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return continuation_results("torch", CASES, NO_PENDING, tmp_path_factory.mktemp("torch"))
+    return continuation_results("torch", CASES, NO_PENDING, tmp_path_factory.mktemp("torch"), preload=PRELOAD)
 
 
 @pytest.mark.parametrize(("variant", "position", "recorder"), CASES)

@@ -5,7 +5,10 @@ batch 2, gradient_accumulation_steps 4: windows of 4, 4 and 2 micro-batches, 3 s
 epoch, 2 epochs, cosine with warm-up, dropout, an evaluation and a step checkpoint every
 2 steps). They go in two phases of at most three processes: (1) the uninterrupted runs and
 the runs a SIGTERM stops at a micro-step, one process, with the 2-rank (gloo) runs beside
-it; (2) every resume in fresh processes, likewise. Each stopped run is compared with the
+it; (2) every resume in fresh processes, likewise. Each process is forked from one of two
+zygotes that imported torch and transformers (tests/_zygote.py): the two ranks of a phase
+from different ones, and each resume from the other one than the run it resumes, so that
+no two processes that meet share an interpreter (nor its hash seed). Each stopped run is compared with the
 uninterrupted one: every parameter, optimizer and scheduler tensor, the global step, the
 final RNG states and logged losses bitwise, and the micro-steps the resume computed (the
 digests of their input_ids) exactly the uninterrupted run's remaining ones. The same run
@@ -29,10 +32,16 @@ from typing import Any
 
 import pytest
 from _shared_runs import once
+from _zygote import Zygote
 
 torch = pytest.importorskip("torch")
 
 RUNS = Path(__file__).resolve().parent / "_trainer_runs.py"
+# what _trainer_runs.py imports (7 s of CPU a process): its processes are forked from two
+# zygotes that imported them once
+PRELOAD = ["torch", "torch.optim", "transformers", "transformers.trainer", "transformers.training_args",
+           "transformers.trainer_jit_checkpoint", "transformers.models.gpt2.modeling_gpt2",
+           "trainrec.adapters.torch.transformers"]
 TIMEOUT_S = 300
 MICRO = 20  # micro-steps of the whole run: 2 epochs of 10
 # where a SIGTERM stops the run (during that micro-step) and the checkpoint it commits
@@ -55,8 +64,43 @@ def _job(name: str, tmp: Path, **kw: Any) -> dict[str, Any]:
     return {"name": name, "dir": str(tmp / kw.pop("dir", name)), **kw}
 
 
+def _processes(jobs: list[dict[str, Any]], out: Path, world: int = 1) -> list[dict[str, Any]]:
+    """The `_trainer_runs.py` process running `jobs` (one a rank), as zygote jobs."""
+    spec = out.with_suffix(".json")
+    spec.write_text(json.dumps(jobs))
+    procs = []
+    port = _free_port() if world > 1 else 0
+    for rank in range(world):
+        e = {}
+        if world > 1:
+            e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                     LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        procs.append({"argv": [str(RUNS), str(spec), str(out)], "cwd": str(out.parent), "env": e,
+                      "timeout": TIMEOUT_S})
+    return procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(zygotes: tuple[Zygote, Zygote], one: dict[str, Any], ranks: list[dict[str, Any]],
+         status: int = 0) -> None:
+    """`one` and rank 0 forked from the first zygote, rank 1 from the second, all at once;
+    each must end with `status` (a run past TIMEOUT_S ends by SIGALRM)."""
+    first, second = zygotes
+    first.submit([one, ranks[0]])
+    second.submit([ranks[1]])
+    for proc in first.collect() + second.collect():
+        assert proc.returncode == status, (proc.returncode, proc.stderr[-4000:])
+
+
 def _start(jobs: list[dict[str, Any]], out: Path, env: dict[str, str] | None = None,
            world: int = 1) -> list[subprocess.Popen[str]]:
+    """Fresh `_trainer_runs.py` processes running `jobs`: the GPU test's, which stays on
+    them (forked processes were checked on CPU only)."""
     spec = out.with_suffix(".json")
     spec.write_text(json.dumps(jobs))
     procs = []
@@ -70,12 +114,6 @@ def _start(jobs: list[dict[str, Any]], out: Path, env: dict[str, str] | None = N
                                       cwd=out.parent, env=e, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     return procs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(procs: list[subprocess.Popen[str]], deadline: float, status: int = 0) -> None:
@@ -99,6 +137,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("transformers", reason="the extra trainrec[transformers] is not installed")
 
     def run(tmp: Path) -> dict[str, Any]:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        with Zygote(PRELOAD, env) as a, Zygote(PRELOAD, env) as b:
+            return runs_from(tmp, (a, b))
+
+    def runs_from(tmp: Path, zygotes: tuple[Zygote, Zygote]) -> dict[str, Any]:
         stops = {name: f"stop{i}" for i, name in enumerate(STOPS)}
         first = [
             _job("full", tmp, exact=True), _job("full_plain", tmp), _job("full_bf16", tmp, exact=True, bf16=True),
@@ -111,10 +154,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ]
         two = [_job("ddp_full", tmp, exact=True, args=TWO_RANKS),
                _job("ddp_stop", tmp, exact=True, stop_at=6, stop_rank=1, args=TWO_RANKS, uncaught=True)]
-        deadline = time.monotonic() + TIMEOUT_S
-        p1 = _start(first, tmp / "first.pt")
-        p2 = _start(two, tmp / "two.pt", world=2)
-        _wait(p1 + p2, deadline, status=143)  # each ended by its last job's SystemExit(143)
+        (one,) = _processes(first, tmp / "first.pt")
+        # each ended by its last job's SystemExit(143)
+        _run(zygotes, one, _processes(two, tmp / "two.pt", world=2), status=143)
         one_results = _load(tmp / "first.pt")
         ranks = [_load(Path(f"{tmp / 'two.pt'}.{r}")) for r in range(2)]
 
@@ -148,11 +190,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             _job("r_no_pending", tmp, dir="no_pending", exact=True, resume=str(stop6),
                  drop_pending=True),
         ]
-        deadline = time.monotonic() + TIMEOUT_S
-        p1 = _start(second, tmp / "second.pt")
-        p2 = _start([_job("r2", tmp, dir="ddp_stop", exact=True, resume=True, args=TWO_RANKS)],
-                    tmp / "two_resumed.pt", world=2)
-        _wait(p1 + p2, deadline)
+        (one,) = _processes(second, tmp / "second.pt")
+        two_resumed = _processes([_job("r2", tmp, dir="ddp_stop", exact=True, resume=True, args=TWO_RANKS)],
+                                 tmp / "two_resumed.pt", world=2)
+        # every resume from the other zygote than the run it resumes (another interpreter)
+        _run(zygotes[::-1], one, two_resumed)
         return {"one": {**one_results, **_load(tmp / "second.pt")}, "stops": stops, "tmp": tmp,
                 "ranks": [{**ranks[r], **_load(Path(f"{tmp / 'two_resumed.pt'}.{r}"))} for r in range(2)]}
 
