@@ -4,6 +4,7 @@ losses and final parameters match a run that never left the first one (1e-5 rela
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -126,6 +127,18 @@ class TorchRun:
         self.acc = record.restore(self.model, self.opt, self.sched, "cpu").accumulator
 
 
+@functools.cache
+def jax_grad(case):
+    """The loss and its gradient, compiled once per case and process (op by op, each of the
+    many runs here traced and dispatched every primitive of every step anew)."""
+    net = CASES[case]["flax_model"]()
+
+    def loss_fn(p, xb, yb):
+        return jnp.mean((net.apply({"params": p}, xb) - yb) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss_fn))
+
+
 class JaxRun:
     def __init__(self, case, seed=0, tx=None):
         self.case, self.net = case, CASES[case]["flax_model"]()
@@ -137,11 +150,8 @@ class JaxRun:
         self.acc, self.losses = GradientsAccumulator(), []
 
     def train(self, start, stop, x, y):
-        def loss_fn(p, xb, yb):
-            return jnp.mean((self.net.apply({"params": p}, xb) - yb) ** 2)
-
         for i in range(start, stop):
-            loss, g = jax.value_and_grad(loss_fn)(self.model.params["params"], jnp.asarray(x[i]), jnp.asarray(y[i]))
+            loss, g = jax_grad(self.case)(self.model.params["params"], jnp.asarray(x[i]), jnp.asarray(y[i]))
             self.losses.append(float(loss))
             self.acc.accumulate(self.model, trj.grads_from(g, self.model))
             if (i + 1) % WINDOW == 0:

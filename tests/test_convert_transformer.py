@@ -222,8 +222,10 @@ class TorchRun:
 
 
 @functools.cache
-def flax_init(tied, attn_name):  # compiled once per process: the tests stay quick
-    return jax.jit(LinenLM(tied, attn_name=attn_name).init)
+def flax_init(tied, attn_name):
+    # eager: each initializer's ops are compiled once per process and shape, shared by every
+    # model here (0.1 CPU-s a model); a jitted init compiles the whole model anew (4 CPU-s each)
+    return LinenLM(tied, attn_name=attn_name).init
 
 
 TX = optax.adamw(SCHEDULE, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)  # torch AdamW's maths
