@@ -21,7 +21,9 @@ The commit is `DistributedRecorder`'s (`_Commit`, spec/PROTOCOLS.md, "Distribute
 records"): DCP and the parts are written into a temp directory next to `path`, and rank 0
 renames it to `path` only when every rank's writes succeeded. `path` exists exactly when the
 checkpoint is complete; a rank that fails or dies mid-save leaves earlier checkpoints as
-they were.
+they were. At a store URL each rank writes into a private local temporary folder and
+uploads its files, and rank 0 writes one commit object last (`_UrlCommit`); a load
+downloads the committed checkpoint, checked, and loads from there.
 
 A load is collective too (`dcp.load` plans with the other ranks). Every rank checks what
 it can first; in DCP's planning step each rank checks the CRC-32 of every entry it will

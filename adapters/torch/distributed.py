@@ -35,8 +35,15 @@ A load reads `replicated` and this rank's part, and refuses another world size: 
 gradients and caller state are per rank, and no rule maps them onto another number of
 ranks. `read(path, rank=r)` reads rank r's view in any process (inspection, tools).
 
-A recorder of `torch.distributed.checkpoint` directories can reuse the same commit
-(`_Commit`): DCP writes its files into the temp directory, the commit renames it.
+At a store URL (`s3://...`, `memory://...`) the same steps commit with objects
+(`_UrlCommit`, spec/PROTOCOLS.md "Checkpoints on object stores"): every rank writes its
+part into a private local temporary folder and uploads it, and rank 0 writes the manifest
+and the one commit object `.trainrec-commit` last; a load downloads the manifest, the
+replicated part and this rank's part, checked against the commit, and reads them there.
+
+A recorder of `torch.distributed.checkpoint` directories reuses the same commit
+(`commit_for`): DCP writes its files into the temp directory, the commit renames (or
+uploads and commits) it.
 
 This module is the recorder itself; what it is built from is beside it, one idea a
 module: `distributed_replicated` (what is written once and what per rank),
@@ -83,7 +90,8 @@ _REPLICATED = "trainrec.distributed.replicated"
 
 class DistributedRecorder(RecorderBase):
     """Saves a data-parallel run's checkpoint as one directory (args: its path, which must
-    not exist yet; output: the `Path`), every rank's part written by that rank and
+    not exist yet, or a store URL that holds no checkpoint yet; output: the `Path`, or the
+    URL), every rank's part written by that rank and
     committed by rank 0 once all are durable; see the module docstring for the layout.
 
     `recorder` writes each part (default `NamedMpkFileRecorder(NativePrecisionSettings())`,
