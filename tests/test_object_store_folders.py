@@ -271,6 +271,30 @@ def test_a_commit_naming_a_file_outside_its_folder_is_refused(mem):
         trainrec.read_file(url)
 
 
+def test_an_async_dcp_save_to_a_url_commits_in_the_background(mem):
+    _torch()
+    pytest.importorskip("torch.distributed.checkpoint")
+    from test_dcp_load_exact import _trained
+
+    import trainrec.adapters.torch as trt
+
+    run = _trained()
+    future = trt.DCPRecorder().save(f"{mem}/step-1", *run, async_save=True)
+    assert future.result(timeout=60) == f"{mem}/step-1"
+    assert _loads_as_saved("dcp", f"{mem}/step-1", run)
+
+
+def test_orbax_refuses_a_url_save_from_several_processes_writing_nothing(mem, monkeypatch):
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("orbax.checkpoint")
+    import trainrec.adapters.jax as trj
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(RecorderError, match="from one process only"):
+        trj.OrbaxRecorder(NATIVE).save_item(_item(), f"{mem}/step-1")
+    assert _names(mem) == []
+
+
 # -- s3:// on moto's server, 1 rank ---------------------------------------------------------
 
 
@@ -281,6 +305,9 @@ def test_a_folder_recorder_round_trips_s3(s3, kind):
     assert _loads_as_saved(kind, url, saved)
     with pytest.raises(RecorderError, match="committed here already"):
         _save(kind, url)
+    if kind == "distributed":
+        with pytest.raises(FileMissingError, match="no such bucket"):
+            _save(kind, f"s3://trainrec-no-such-bucket-{os.urandom(4).hex()}/step-1")
 
 
 # -- 2 ranks (gloo, spawned) on s3:// --------------------------------------------------------
