@@ -22,7 +22,9 @@ trainrec's own layout, which may move. Grouped as the guide uses them:
 - a recorder of the adapter's own file format: `RecorderBase`, `Precision`,
   `store_tensor`, `check_limits`, `atomic_write` (crash-safe file replacement);
   `location` and `output` (a path or a store URL, and where a save to it writes), `read_url`
-  (a record object at a URL, read by its format's reader);
+  (a record object at a URL, read by its format's reader), `is_url`, and `folders` (a
+  checkpoint that is a folder of files at a store URL: staged locally, uploaded, committed
+  by one commit object; downloaded and checked to read);
 - reading the files of a checkpoint safely: `open_regular` (a regular file only: a FIFO
   or device is refused, never waited on; `follow=False` refuses a link), `read_json` (a
   JSON file within bounds of bytes, values and depth) and `json_fits` (the same bounds,
@@ -93,9 +95,10 @@ from .recorders import ptfile
 from .recorders.namedmpk import RecorderBase
 from .recorders.remote import read_url
 from .recorders.sniff import reader_of
+from .storage import folder as folders
 from .storage.atomic import atomic_write
 from .storage.files import json_fits, kind_of, open_regular, read_json
-from .storage.location import location, output
+from .storage.location import is_url, location, output
 from .training.array_api import ArrayApiAdapter, ArrayApiBackend
 from .training.changes import (
     ABSENT,
@@ -191,6 +194,8 @@ __all__ = [
     "atomic_write",
     "location",
     "output",
+    "folders",
+    "is_url",
     "read_url",
     "check_item",
     "check_limits",

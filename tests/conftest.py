@@ -1,8 +1,14 @@
+import importlib.util
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test modules share helpers
 
@@ -55,3 +61,62 @@ def pytest_runtest_setup(item):
 def pytest_unconfigure(config):
     for path in _made_cache:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# -- a real S3 protocol server (moto) through s3fs, for tests/test_object_store*.py --------
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server in a process of its own (not a thread of this one: its work would
+    take this process's GIL) on a free loopback port, its request log in a file."""
+    fsspec = pytest.importorskip("fsspec", reason="the [s3] extra (fsspec, s3fs) is not installed")
+    pytest.importorskip("s3fs", reason="the [s3] extra is not installed")
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        pytest.skip("moto[server] is not installed: pip install 'trainrec[test]'")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the server logs every request to stderr: into a file, never a pipe nobody reads
+    # (once its 64 KiB filled, every request hung on the log line: the kill test's
+    # "requests hanging > 60 s"). A socket timeout: an idle connection's thread ends.
+    serve = ("import socket, sys; socket.setdefaulttimeout(3); from moto.server import main; "
+             "main(sys.argv[1:])")
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as err:
+        server = subprocess.Popen([sys.executable, "-c", serve, "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                why = log.read_bytes().decode(errors="replace")[-500:]
+                pytest.skip(f"the moto S3 server did not start on 127.0.0.1:{port}: {why}")
+            time.sleep(0.1)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fsspec.filesystem("s3", skip_instance_cache=True)  # the env is read by new instances
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.terminate()
+    server.wait(10)
+
+
+@pytest.fixture
+def s3(s3_server):
+    import fsspec
+
+    bucket = f"trainrec-{os.urandom(4).hex()}"
+    fs = fsspec.filesystem("s3")
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/run"

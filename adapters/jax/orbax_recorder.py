@@ -69,9 +69,11 @@ from trainrec.adapter_kit import (
     TensorTables,
     check_item,
     crc32,
+    folders,
     header_fields,
     iter_tensors,
     json_fits,
+    location,
     open_regular,
     parse_header,
     path_arg,
@@ -153,10 +155,26 @@ class OrbaxRecorder(RecorderBase):
 
     def save_item(
         self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
-    ) -> Path:
+    ) -> Path | str:
+        """Write `item` as the Orbax checkpoint `args` (a local path: a save over one
+        there exchanges the two atomically; or a store URL, from one process: written in a
+        private local temporary folder, uploaded, and committed by `.trainrec-commit`, never
+        over a committed one) and return `args` (a `Path`, or the URL)."""
         import orbax.checkpoint as ocp
 
         check_item(item)
+        where = location(args)
+        if isinstance(where, str):
+            import jax
+
+            if jax.process_count() > 1:
+                raise RecorderError("OrbaxRecorder saves to a store URL from one process only "
+                                    f"(this run has {jax.process_count()}): save to a shared "
+                                    "local folder and upload it, or from one process",
+                                    source=where)
+            folders.save_folder(where, lambda local: self.save_item(
+                item, local, record_type, allow_lossy=allow_lossy))
+            return where
         path = path_arg(args)
         source = str(path)
         _check_target(path)
@@ -270,6 +288,10 @@ class OrbaxRecorder(RecorderBase):
         tensorstore), except a tensor saved from shards (a `ShardedTensor`) to which this
         recorder's `sharding` gives a sharding: each process reads only the shards its
         devices hold in that layout, and gets a `ShardedTensor` back."""
+        where = location(args)
+        if isinstance(where, str):  # downloaded, checked against its commit, read there
+            return folders.read_staged_folder(
+                where, lambda local: read_orbax(local, False, sharding=self._sharding))
         return read_orbax(path_arg(args), mmap, sharding=self._sharding)
 
 

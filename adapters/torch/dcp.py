@@ -21,7 +21,9 @@ The commit is `DistributedRecorder`'s (`_Commit`, spec/PROTOCOLS.md, "Distribute
 records"): DCP and the parts are written into a temp directory next to `path`, and rank 0
 renames it to `path` only when every rank's writes succeeded. `path` exists exactly when the
 checkpoint is complete; a rank that fails or dies mid-save leaves earlier checkpoints as
-they were.
+they were. At a store URL each rank writes into a private local temporary folder and
+uploads its files, and rank 0 writes one commit object last (`_UrlCommit`); a load
+downloads the committed checkpoint, checked, and loads from there.
 
 A load is collective too (`dcp.load` plans with the other ranks). Every rank checks what
 it can first; in DCP's planning step each rank checks the CRC-32 of every entry it will
@@ -55,6 +57,7 @@ and `dcp_state` (the state dicts and the backup a failed read is rolled back fro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 from collections.abc import Iterable
@@ -79,7 +82,14 @@ from trainrec import (
     RecordMismatchError,
     StateRecord,
 )
-from trainrec.adapter_kit import expect_kind, for_component, parse_changes, path_arg
+from trainrec.adapter_kit import (
+    expect_kind,
+    folders,
+    for_component,
+    location,
+    parse_changes,
+    path_arg,
+)
 
 from .bindings import TorchLrScheduler, TorchOptimizer
 from .dcp_checks import (
@@ -119,7 +129,7 @@ from .dcp_state import (
 )
 from .dcp_unpickle import _Planner
 from .distributed_collectives import _rank_world, agree, meet, timeout_seconds
-from .distributed_commit import _Commit
+from .distributed_commit import commit_for
 from .identity import take_live_hyperparameters
 from .wrappers import is_dtensor, named_parameters
 
@@ -169,7 +179,7 @@ class DCPRecorder:
                  timeout: float | datetime.timedelta | None = None) -> None:
         self.group = group
         self.timeout = timeout_seconds(timeout)
-        self._pending: Future[Path] | None = None
+        self._pending: Future[Path | str] | None = None
 
     def __repr__(self) -> str:
         return "DCPRecorder()" if self.timeout is None else f"DCPRecorder(timeout={self.timeout:g})"
@@ -188,8 +198,13 @@ class DCPRecorder:
         the other ranks and commits. Its collectives run on `group`, which must then be a
         process group of its own, not one training uses (e.g. `dist.new_group(backend="gloo")`,
         as DCP asks for its own `async_save`); a second save first waits for the previous one.
-        The future raises what the save would have raised."""
-        path = path_arg(path)
+        The future raises what the save would have raised.
+
+        `path` may be a store URL (`s3://...`, `memory://...`): every rank stages its files
+        in a private local temporary folder and uploads them, and rank 0 writes the commit
+        object `.trainrec-commit` last (spec/PROTOCOLS.md, "Checkpoints on object stores");
+        the `Path` returned is then the URL (a `str`)."""
+        path = location(path)
         _check_objects(model, optimizer, scheduler)
         if state is not None and not hasattr(state, "into_item"):
             raise TypeError(f"state must be a Record (e.g. a @trainrec.record dataclass) or "
@@ -206,7 +221,7 @@ class DCPRecorder:
         if self._pending is not None:
             wait([self._pending])  # its outcome is its own future's
         meet(self.group, self.timeout, "DCPRecorder.save", path)
-        commit = _Commit(path, rank, world, self.group)
+        commit = commit_for(path, rank, world, self.group)
         if rank == 0:
             commit.prepare()
         commit.begin(None)
@@ -251,7 +266,7 @@ class DCPRecorder:
             "scheduler": scheduler is not None, "state": state is not None,
         }
 
-        def finish() -> Path:
+        def finish() -> Path | str:
             error = failed
             shards: dict[str, Any] = {}
             if error is None:
@@ -271,7 +286,8 @@ class DCPRecorder:
                 commit.fail(RecorderError(f"torch.distributed.checkpoint could not save: {error}",
                                           source=str(path)))
             commit.finish(manifest, "shards")  # each rank's shard files' sizes and CRC-32s
-            return Path(path)
+            done: Path | str = path  # a URL's save: the URL
+            return done
 
         if not async_save:
             return finish()
@@ -321,15 +337,45 @@ class DCPRecorder:
         checks every entry offline.
 
         What is wrong on one rank only (its part, its arguments) is raised on that rank and,
-        naming it, on every other rank: none waits for it until the group's timeout."""
+        naming it, on every other rank: none waits for it until the group's timeout.
+
+        A store URL's checkpoint is downloaded first, every rank the whole of it, into a
+        private local temporary folder (each object checked against its commit entry as it
+        streams in; deleted after the load), and read there; errors name the URLs."""
         if self._pending is not None:  # an async save's commit: its collectives run on this
             wait([self._pending])  # group, and the load may be of that very checkpoint
         # with a timeout, the ranks first meet in the group's store: a rank that never calls
         # load fails the others here, before any collective (`meet`)
         where = Path(str(path))  # for messages: `_prepare` checks the argument itself
         meet(self.group, self.timeout, "DCPRecorder.load", where)
+        url = location(path) if isinstance(path, str) else None
+        if not isinstance(url, str):
+            return self._load(path, model, optimizer, scheduler, state_type, rank_state, verify,
+                              allow_changes, None)
+        with contextlib.ExitStack() as stack:
+            early: Exception | None = None
+            local: Any = where
+            urls = {str(where): url}
+            try:
+                local, urls = stack.enter_context(folders.staged(url))
+            except Exception as e:  # noqa: BLE001 - told to every rank in DCP's planning step
+                early = e
+            try:
+                return self._load(local, model, optimizer, scheduler, state_type, rank_state,
+                                  verify, allow_changes, early)
+            except RecorderError as e:
+                raise folders.renamed(e, urls) from e.__cause__
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load(self, path: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+              scheduler: Any, state_type: type[U] | None, rank_state: str | int, verify: bool,
+              allow_changes: Iterable[str] | None, early: Exception | None) -> DCPRestored[U]:
+        """`load` once the ranks met (`early`: what already failed on this rank)."""
+        where = Path(str(path))
         plan: _Load | None = None
         try:
+            if early is not None:
+                raise early
             plan = self._prepare(path, model, optimizer, scheduler, state_type, rank_state,
                                  verify, parse_changes(allow_changes))
             reader = plan.reader

@@ -35,8 +35,15 @@ A load reads `replicated` and this rank's part, and refuses another world size: 
 gradients and caller state are per rank, and no rule maps them onto another number of
 ranks. `read(path, rank=r)` reads rank r's view in any process (inspection, tools).
 
-A recorder of `torch.distributed.checkpoint` directories can reuse the same commit
-(`_Commit`): DCP writes its files into the temp directory, the commit renames it.
+At a store URL (`s3://...`, `memory://...`) the same steps commit with objects
+(`_UrlCommit`, spec/PROTOCOLS.md "Checkpoints on object stores"): every rank writes its
+part into a private local temporary folder and uploads it, and rank 0 writes the manifest
+and the one commit object `.trainrec-commit` last; a load downloads the manifest, the
+replicated part and this rank's part, checked against the commit, and reads them there.
+
+A recorder of `torch.distributed.checkpoint` directories reuses the same commit
+(`commit_for`): DCP writes its files into the temp directory, the commit renames (or
+uploads and commits) it.
 
 This module is the recorder itself; what it is built from is beside it, one idea a
 module: `distributed_replicated` (what is written once and what per rank),
@@ -60,10 +67,10 @@ from trainrec import (
     NativePrecisionSettings,
     RecordMismatchError,
 )
-from trainrec.adapter_kit import Header, Item, RecorderBase, path_arg
+from trainrec.adapter_kit import Header, Item, RecorderBase, folders, location
 
 from .distributed_collectives import _rank_world, agree, meet, timeout_seconds
-from .distributed_commit import _Commit
+from .distributed_commit import commit_for
 from .distributed_manifest import (
     FORMAT,
     MANIFEST,
@@ -83,7 +90,8 @@ _REPLICATED = "trainrec.distributed.replicated"
 
 class DistributedRecorder(RecorderBase):
     """Saves a data-parallel run's checkpoint as one directory (args: its path, which must
-    not exist yet; output: the `Path`), every rank's part written by that rank and
+    not exist yet, or a store URL that holds no checkpoint yet; output: the `Path`, or the
+    URL), every rank's part written by that rank and
     committed by rank 0 once all are durable; see the module docstring for the layout.
 
     `recorder` writes each part (default `NamedMpkFileRecorder(NativePrecisionSettings())`,
@@ -136,15 +144,17 @@ class DistributedRecorder(RecorderBase):
 
     def save_item(
         self, item: Item, args: Any, record_type: str = "Item", *, allow_lossy: bool = False
-    ) -> Path:
-        """Collective: write this rank's part of `item` into the checkpoint `args` and
-        return its `Path` once rank 0 committed it. Every rank raises `RecorderError` when
-        any rank failed (its own error on the rank that failed), and nothing is committed.
-        With a `timeout`, a rank that does not join within it fails the others first."""
-        path = path_arg(args)
-        meet(self.group, self.timeout, "DistributedRecorder.save", path)
+    ) -> Path | str:
+        """Collective: write this rank's part of `item` into the checkpoint `args` (a
+        local path, or a store URL: committed by its `.trainrec-commit` object) and return
+        it (a `Path`, or the URL) once rank 0 committed it. Every rank raises `RecorderError`
+        when any rank failed (its own error on the rank that failed), and nothing is
+        committed. With a `timeout`, a rank that does not join within it fails the others
+        first."""
+        path = location(args)
+        meet(self.group, self.timeout, "DistributedRecorder.save", path)  # type: ignore[arg-type]
         rank, world = _rank_world(self.group)
-        commit = _Commit(path, rank, world, self.group)
+        commit = commit_for(path, rank, world, self.group)
         early: Exception | None = None  # raised after the ranks met: they must hear of it
         replicated: dict[str, Item] | None = None
         ours: Any = None
@@ -211,18 +221,35 @@ class DistributedRecorder(RecorderBase):
         not join within it fails the others before any reads."""
         if rank is not None or _rank_world(self.group)[1] == 1:
             return self._read(args, mmap, rank)
-        meet(self.group, self.timeout, "DistributedRecorder.load", path_arg(args))
+        meet(self.group, self.timeout, "DistributedRecorder.load", location(args))  # type: ignore[arg-type]
         failure: Exception | None = None
         try:
             out: tuple[Header, Item] | None = self._read(args, mmap, None)
         except Exception as e:  # every rank learns of it before any restores
             failure, out = e, None
-        agree(failure, self.group, str(path_arg(args)))
+        agree(failure, self.group, str(location(args)))
         assert out is not None
         return out
 
     def _read(self, args: Any, mmap: bool, rank: int | None) -> tuple[Header, Item]:
-        path = path_arg(args)
+        where = location(args)
+        if not isinstance(where, str):
+            return self._read_local(where, mmap, rank)
+        live = self._rank_of(rank)
+        own = None if live is None else f"rank-{live:05d}-"
+
+        def wanted(name: str) -> bool:  # this rank's part, not the others'
+            return own is None or not name.startswith("rank-") or name.startswith(own)
+
+        return folders.read_staged_folder(
+            where, lambda local: self._read_local(local, False, rank), wanted)
+
+    def _rank_of(self, rank: int | None) -> int | None:
+        if rank is None:
+            return _rank_world(self.group)[0]
+        return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None
+
+    def _read_local(self, path: Path, mmap: bool, rank: int | None) -> tuple[Header, Item]:
         manifest = _read_manifest(path)
         world = manifest["world_size"]
         if rank is None:

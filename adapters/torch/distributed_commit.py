@@ -1,8 +1,9 @@
 """`_Commit`: a checkpoint directory every rank writes into, committed once: a temp
 directory next to `path` under a `flock`, every rank's outcome gathered, the manifest
 written last, then one rename (`path` exists exactly when the checkpoint is complete);
-temp directories a killed save left are swept by a later one. `DistributedRecorder`
-and `DCPRecorder` share it.
+temp directories a killed save left are swept by a later one. `_UrlCommit`: the same
+steps for a store URL, each rank staging and uploading its own files, rank 0 writing one
+commit object last. `DistributedRecorder` and `DCPRecorder` share both (`commit_for`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import re
 import secrets
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from trainrec import FileMissingError, RecorderError
-from trainrec.adapter_kit import atomic_write
+from trainrec.adapter_kit import atomic_write, folders
 
 from .distributed_collectives import _NOT_COMMITTED, _all_gather, _broadcast, _collective
 from .distributed_manifest import MANIFEST
@@ -58,7 +60,7 @@ class _Commit:
         self.temp = Path()
         self._lock: int | None = None
         self._error: Exception | None = None
-        self._outcome: tuple[str, Any] = ("ok", 0)
+        self._outcome: tuple[Any, ...] = ("ok", 0)
 
     def prepare(self) -> None:
         """Rank 0: make the temp directory (`token`, `temp`); what fails is kept for `begin`."""
@@ -86,8 +88,12 @@ class _Commit:
                 raise self._error
             raise RecorderError(f"rank 0 could not start the save: {value}", source=str(self.path))
         self.token = value
-        self.temp = self.path.parent / f".{self.path.name}.{self.token}{_TEMP_SUFFIX}"
+        self.temp = self._temp_of(value)
         return payload
+
+    def _temp_of(self, token: str) -> Path:
+        """Where this rank writes its files for the save `token`."""
+        return self.path.parent / f".{self.path.name}.{token}{_TEMP_SUFFIX}"
 
     def wrote(self, value: Any) -> None:
         """This rank's part is durable; `value` goes into the manifest (see `finish`)."""
@@ -113,7 +119,7 @@ class _Commit:
             if not failed:
                 try:
                     manifest[gathered] = [o[1] for o in outcomes]
-                    self._commit(manifest)
+                    self._commit(manifest, outcomes)
                 except Exception as e:  # noqa: BLE001 - the other ranks wait for the word
                     result = [("error", f"rank 0 could not commit: {type(e).__name__}: {e}; "
                                         f"{_NOT_COMMITTED}")]
@@ -162,7 +168,7 @@ class _Commit:
         raise RecorderError("no free temporary directory name after 100 tries",
                             source=str(self.path))
 
-    def _commit(self, manifest: dict[str, Any]) -> None:
+    def _commit(self, manifest: dict[str, Any], outcomes: list[Any]) -> None:
         with atomic_write(self.temp / MANIFEST) as f:
             f.write(json.dumps(manifest, sort_keys=True, indent=1).encode())
         os.unlink(self.temp / _LOCK)  # still locked through our descriptor: see _sweep
@@ -218,3 +224,98 @@ def _fsync(directory: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _UrlCommit(_Commit):
+    """One collective save to the store URL `path` (`trainrec.adapter_kit.folders`): every
+    rank writes its files into a private local temporary folder (`temp`), uploads each as
+    a data object of this save once written, and rank 0, when every rank's uploads
+    succeeded, uploads the manifest and writes the one commit object naming every rank's
+    objects. A save that fails deletes the objects it uploaded; `path` is committed
+    exactly when its commit object is there."""
+
+    def __init__(self, url: str, rank: int, world: int, group: Any) -> None:
+        super().__init__(url, rank, world, group)  # type: ignore[arg-type]  # a URL, not a Path
+        self.url = url
+        self.store: Any = None
+        self._staging = False
+        self._early: Exception | None = None
+        self._own: list[Any] = []
+
+    def _make_temp(self) -> None:
+        self.store = folders.Store(self.url)
+        folders.refuse_committed(self.store)
+        self.token = folders.new_save_id()
+        self._stage()
+
+    def _stage(self) -> None:
+        self.temp = Path(tempfile.mkdtemp(prefix="trainrec-stage-"))
+        self._staging = True
+
+    def _temp_of(self, token: str) -> Path:
+        if self.rank != 0:
+            try:
+                self.store = folders.Store(self.url)
+            except RecorderError as e:  # told to every rank at `finish`, not raised here
+                self._early = e
+            self._stage()
+        return self.temp
+
+    def wrote(self, value: Any) -> None:
+        if self._early is None:
+            super().wrote(value)
+
+    def finish(self, manifest: dict[str, Any], gathered: str = "overrides") -> None:
+        try:
+            if self._early is not None:
+                self.fail(self._early)
+            elif self._outcome[0] == "ok":
+                try:
+                    folders.upload_files(self.store, self.temp, self.token, self.rank, self._own)
+                    self._outcome = ("ok", self._outcome[1],
+                                     [(o.role, o.name, o.size, o.crc32) for o in self._own])
+                except Exception as e:  # noqa: BLE001 - every rank must hear of it
+                    self.fail(e)
+            super().finish(manifest, gathered)
+        except BaseException:
+            self._drop_own()
+            raise
+        finally:
+            self._unstage()
+
+    def _commit(self, manifest: dict[str, Any], outcomes: list[Any]) -> None:
+        objects = [folders.CommitObject(*e) for o in outcomes for e in o[2]]
+        data = json.dumps(manifest, sort_keys=True, indent=1).encode()
+        try:
+            objects.append(folders.upload_bytes(self.store, f"{self.token}.{MANIFEST}", MANIFEST,
+                                                data))
+            if not folders.commit_folder(self.store, self.token, objects):
+                raise RecorderError("a checkpoint was committed here by another save while this "
+                                    "one ran: never replaced", source=self.url)
+        except BaseException:
+            if not folders.committed_by(self.store, self.token):
+                folders.discard(self.store, objects)
+                self._own = []
+            raise
+        self._own = []  # committed: never discarded
+
+    def _abandon(self) -> None:
+        self._drop_own()
+        self._unstage()
+
+    def _drop_own(self) -> None:
+        if self._own and self.store is not None and not folders.committed_by(self.store, self.token):
+            folders.discard(self.store, self._own)
+        self._own = []
+
+    def _unstage(self) -> None:
+        if self._staging:
+            shutil.rmtree(self.temp, ignore_errors=True)
+            self._staging = False
+
+
+def commit_for(path: Path | str, rank: int, world: int, group: Any) -> _Commit:
+    """The commit of a save to `path`: a local directory's rename, or a store URL's commit
+    object."""
+    return _UrlCommit(path, rank, world, group) if isinstance(path, str) else _Commit(
+        path, rank, world, group)

@@ -4,7 +4,11 @@ folder (its committed steps).
 
 A NamedMpk object streams into one buffer (`storage.read_into`); an object of another
 format is copied, as it streams in, into a private temporary file and read there by its
-format's reader (those readers work on local files), every error then naming the URL.
+format's reader (those readers work on local files), every error then naming the URL. A
+folder checkpoint (`storage.folder`: `DistributedRecorder`'s, `DCPRecorder`'s,
+`OrbaxRecorder`'s, committed by `X/.trainrec-commit`) is downloaded into a private
+temporary folder, each object checked against its commit, and read there by the reader of
+its directory format.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import TypeVar
 
 from ..errors import CorruptRecordError, FileMissingError, RecorderError, reading
 from ..format.header import Header
-from ..items.tree import Item
+from ..items.tree import Item, iter_tensors
 from ..storage.commit import COMMIT_SUFFIX, checkpoint_url, expectations, read_commit
+from ..storage.folder import FOLDER_COMMIT, read_folder_commit, read_staged_folder
 from ..storage.location import Store, download, expecting, filesystem, object_size
 from .sniff import HEAD_BYTES
 
@@ -49,9 +54,13 @@ def committed(folder: str) -> list[tuple[int, str]]:
 def read_url(url: str, mmap: bool = False, *, only: str | None = None) -> tuple[Header, Item]:
     """Header and item of the record at `url`: an object, a commit object (`.commit`: its
     checkpoint, checked against the commit's sizes and CRCs) or a manager's folder (its
-    latest committed step). `only`: refuse any format but the one of this name (a
-    recorder's own). Raises as `read_file` does."""
+    latest committed step) or a folder checkpoint (its `.trainrec-commit`, or the folder).
+    `only`: refuse any format but the one of this name (a recorder's own). Raises as
+    `read_file` does; a folder with objects but no commit, `FileMissingError` saying it is
+    not committed."""
     folder, name = split_url(url)
+    if name == FOLDER_COMMIT:
+        return _read_folder(folder, only)
     if name.endswith(COMMIT_SUFFIX):
         store = Store(folder)
         commit = read_commit(store, name)
@@ -60,10 +69,33 @@ def read_url(url: str, mmap: bool = False, *, only: str | None = None) -> tuple[
     try:
         return _read_object(url, mmap, only)
     except FileMissingError:
+        store = Store(url)
+        names = store.list()
+        if FOLDER_COMMIT in names:
+            return _read_folder(url, only)
         steps = committed(url)
         if not steps:
+            if names:  # objects, no commit: a folder checkpoint's save that never finished
+                read_folder_commit(url)
             raise
     return read_url(f"{url.rstrip('/')}/{steps[-1][1]}", mmap, only=only)
+
+
+def _read_folder(url: str, only: str | None) -> tuple[Header, Item]:
+    """The folder checkpoint at `url`, read by its directory format's reader from a
+    checked local copy; every tensor read (checked) before the copy is deleted."""
+    from .formats import resolve_directory_format
+
+    def read(root: Path) -> tuple[Header, Item]:
+        fmt = resolve_directory_format(root)
+        if only is not None and fmt.name != only:
+            raise CorruptRecordError(f"a {fmt.name} checkpoint, not a {only} one", source=str(root))
+        header, item = fmt.reader(root, False)
+        for _, t in iter_tensors(item):
+            t.array  # noqa: B018 - read (and checked) while the copy is there
+        return header, item
+
+    return read_staged_folder(url, read)
 
 
 def _read_object(url: str, mmap: bool, only: str | None) -> tuple[Header, Item]:
