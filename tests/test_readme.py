@@ -1,4 +1,13 @@
-"""Every ```python block of README.md runs as written, each in a fresh interpreter.
+"""Every ```python block of README.md runs as written, each as a script in a process of its own.
+
+Blocks that import the same frameworks (the same top-level packages beyond the standard
+library and trainrec: two blocks that import torch, say) run in children forked from one
+`tests/_zygote.py` that imported those modules once, as `python readme_LINE.py` would run
+(sys.argv, sys.path[0], a fresh `__main__`, stdout, stderr and exit code each their own): what
+the block imports is then already in `sys.modules`, as it would be after the block's own imports
+(trainrec itself is not preloaded: the block imports it). A block runs in a fresh interpreter
+when no other block shares its frameworks (a zygote would cost what it saves) or when it
+assigns `os.environ` (XLA_FLAGS before JAX starts: read at import, the zygote's would be used).
 
 A block that needs torch, jax, flax, optax, equinox, accelerate, lightning, torchdata or transformers is
 skipped when that package is not installed. A block that is not meant to run must say so, and why, in an HTML comment on
@@ -8,8 +17,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +31,7 @@ _NOT_RUN = re.compile(r"<!-- readme-test: not run:(.*?)-->[ \t]*\n\Z")
 _OPTIONAL = ("torch", "jax", "flax", "optax", "equinox", "orbax", "accelerate", "lightning", "torchdata",
              "transformers", "fsspec")
 _IMPORT = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.M)
+_DOTTED = re.compile(r"^\s*(?:import|from)\s+([\w.]+)", re.M)
 TIMEOUT_S = 300
 
 
@@ -39,6 +51,46 @@ def _python_blocks() -> list[tuple[int, str, str | None]]:
 BLOCKS = _python_blocks()
 
 
+def _frameworks(code: str) -> frozenset[str]:
+    """The top-level packages `code` imports beyond the standard library, numpy (every zygote
+    imports it) and trainrec."""
+    return frozenset(m for m in _IMPORT.findall(code)
+                     if m not in sys.stdlib_module_names and m not in ("numpy", "trainrec"))
+
+
+def _preload(code: str) -> set[str]:
+    """The modules (as imported, dotted) a zygote for `code` imports."""
+    return {m for m in _DOTTED.findall(code) if m.split(".")[0] in _frameworks(code)}
+
+
+def _forkable(code: str) -> bool:
+    return "os.environ" not in code and bool(_frameworks(code))
+
+
+_SHARED = Counter(_frameworks(code) for _, code, reason in BLOCKS if reason is None and _forkable(code))
+_GROUPS = {key for key, n in _SHARED.items() if n >= 2}
+_PRELOADS = {key: sorted(set().union(*(_preload(code) for _, code, reason in BLOCKS
+                                        if reason is None and _forkable(code) and _frameworks(code) == key)))
+             for key in _GROUPS}
+
+
+@pytest.fixture(scope="module")
+def zygotes():
+    """One zygote per group of blocks with the same frameworks, started when first needed."""
+    from _zygote import Zygote
+
+    started: dict[frozenset[str], Zygote] = {}
+
+    def get(key: frozenset[str]) -> Zygote:
+        if key not in started:
+            started[key] = Zygote(_PRELOADS[key])
+        return started[key]
+
+    yield get
+    for z in started.values():
+        z.close()
+
+
 def test_the_readme_has_runnable_examples_and_next_to_no_exceptions():
     assert len(BLOCKS) >= 3, "README.md lost its examples, or this test no longer finds them"
     not_run = [(line, reason) for line, _, reason in BLOCKS if reason is not None]
@@ -49,7 +101,7 @@ def test_the_readme_has_runnable_examples_and_next_to_no_exceptions():
 
 
 @pytest.mark.parametrize(("line", "code", "reason"), BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS])
-def test_readme_block_runs(line, code, reason, tmp_path):
+def test_readme_block_runs(line, code, reason, tmp_path, zygotes):
     if reason is not None:
         pytest.skip(f"README.md:{line} is not meant to run: {reason}")
     missing = sorted({m for m in _IMPORT.findall(code) if m in _OPTIONAL and importlib.util.find_spec(m) is None})
@@ -57,11 +109,17 @@ def test_readme_block_runs(line, code, reason, tmp_path):
         pytest.skip(f"README.md:{line} needs {', '.join(missing)}")
     script = tmp_path / f"readme_{line}.py"
     script.write_text(code, encoding="utf-8")
-    try:
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"README.md:{line}: the block did not finish in {TIMEOUT_S} s")
+    key = _frameworks(code)
+    if _forkable(code) and key in _GROUPS:
+        [done] = zygotes(key).run([{"argv": [str(script)], "cwd": str(tmp_path), "timeout": TIMEOUT_S}])
+        if done.returncode == -signal.SIGALRM:
+            pytest.fail(f"README.md:{line}: the block did not finish in {TIMEOUT_S} s")
+    else:
+        try:
+            done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                                  text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"README.md:{line}: the block did not finish in {TIMEOUT_S} s")
     assert done.returncode == 0, (
         f"README.md:{line}: the block exits {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
     )
