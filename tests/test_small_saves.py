@@ -92,7 +92,10 @@ def test_every_save_reserves_about_its_size_first_and_frees_the_rest(tmp_path, m
     assert back["w"].bitwise_equal(large["w"]) and back["step"] == 7
 
 
-def test_the_size_estimate_is_close_to_the_document_for_every_kind_of_value():
+def test_the_size_estimate_is_close_to_the_document_for_every_kind_of_value(monkeypatch):
+    # a tensor over one chunk, at the smallest chunk size writers may cut at: the writer and the
+    # estimate read CHUNK_BYTES at use, so the same two-chunk path runs as at 2 GiB, on 1 MiB
+    monkeypatch.setattr(fmt.limits, "CHUNK_BYTES", fmt.limits.MIN_CHUNK_BYTES)
     rng = np.random.default_rng(2)
     items = [
         {"w": TensorData.from_array(rng.standard_normal((3, 4)).astype(np.float64)), "s": "x" * 300,
@@ -105,3 +108,4 @@ def test_the_size_estimate_is_close_to_the_document_for_every_kind_of_value():
             size = len(NamedMpkBytesRecorder(settings).save_item(item, allow_lossy=True))
             estimate = fmt.document_size_estimate(item, settings)
             assert size <= estimate <= size + 1024 + 200 * len(item), (size, estimate)
+    assert items[2]["big"].nbytes > fmt.limits.CHUNK_BYTES  # the big tensor did span two chunks
