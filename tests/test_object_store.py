@@ -390,6 +390,18 @@ def test_the_cli_verifies_and_inspects_s3(s3, capsys):
     assert json.loads(capsys.readouterr().out)["tree"]["state"] == {"step": 1}
 
 
+def test_an_emptied_commit_on_s3_is_a_corrupt_record_and_fails_verify(s3, capsys):
+    from trainrec.cli.commands import main
+
+    with CheckpointManager(s3) as mgr:
+        mgr.save(1, _record(1), block=True)
+    fsspec.filesystem("s3").pipe_file(f"{s3}/step-00000001.commit", b"")  # S3 answers its range with 416
+    with pytest.raises(CorruptRecordError, match="step-00000001.commit"):
+        CheckpointManager(s3, read_only=True).load(1)
+    assert main(["verify", s3]) == 1  # damaged, not unreadable (3)
+    assert "step-00000001.commit" in capsys.readouterr().out
+
+
 def _lock(url: str, **fields) -> None:
     doc = {"pid": 1, "host": socket.gethostname(), "since": "then", "until": time.time() + 600,
            "token": "t", **fields}

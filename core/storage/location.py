@@ -435,6 +435,11 @@ class _PartialReadError(Exception):
         self.pos = pos
 
 
+def _range_not_satisfiable(e: OSError) -> bool:
+    """Whether S3 answered a ranged GET with 416: the object ends before the range starts."""
+    return "InvalidRange" in f"{e} {e.__cause__!r}" or "416" in str(e)
+
+
 async def _stream_range(fs: Any, bucket: str, key: str, extra: dict[str, str], view: memoryview,
                         start: int, end: int, ask: int, pos: int) -> int:
     """GET bytes `pos`..`ask - 1` into `view[pos:end]`; the range's byte count (more than
@@ -443,7 +448,7 @@ async def _stream_range(fs: Any, bucket: str, key: str, extra: dict[str, str], v
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={pos}-{ask - 1}",
                                  **extra)
     except OSError as e:
-        if "InvalidRange" in f"{e} {e.__cause__!r}" or "416" in str(e):
+        if _range_not_satisfiable(e):
             return pos - start  # the object ends before `pos`
         raise
     body = resp["Body"]
@@ -574,7 +579,12 @@ class Store:
         `FileMissingError` when it is not there."""
         url = self.url_of(name)
         with _errors(url):
-            data = bytes(self.fs.cat_file(self._path(name), start=0, end=max_bytes + 1))
+            try:
+                data = bytes(self.fs.cat_file(self._path(name), start=0, end=max_bytes + 1))
+            except OSError as e:
+                if not _range_not_satisfiable(e):
+                    raise
+                data = b""  # a range from byte 0 not satisfiable: the object is empty
         if len(data) > max_bytes:
             raise CorruptRecordError(f"more than the {max_bytes} bytes a load accepts", source=url)
         return data
