@@ -149,6 +149,24 @@ def test_a_missing_object_is_file_missing(mem):
         TrainingRecord.load(NamedMpkFileRecorder(NATIVE), f"{mem}/x.mpk")
 
 
+def test_a_missing_commit_whose_name_holds_416_is_missing_not_empty(mem):
+    """A 416 (range not satisfiable: an empty object) is told by the store's answer, never by
+    a "416" in the error's text, which names the object: a missing folder or commit object
+    with 416 in its URL was once read as an empty one, so that a save there was refused as
+    "committed already" and a load called it damaged."""
+    from trainrec.storage.commit import read_commit
+    from trainrec.storage.location import Store
+
+    url = f"{mem}/run-416/step-416"
+    with pytest.raises(FileMissingError, match="step-416"):
+        read_commit(Store(url), ".trainrec-commit")
+    with pytest.raises(FileMissingError, match="x416.mpk"):
+        TrainingRecord.load(NamedMpkFileRecorder(NATIVE), f"{mem}/x416.mpk")
+    with CheckpointManager(f"{mem}/run-416") as mgr:  # saves into the folder it names
+        mgr.save(1, _record(1), block=True)
+        assert mgr.steps() == [1]
+
+
 def test_the_manager_on_memory_keeps_retention_latest_and_metrics(mem):
     with CheckpointManager(mem, keep_last=2, keep_every=4) as mgr:
         for s in range(1, 8):
@@ -400,6 +418,16 @@ def test_an_emptied_commit_on_s3_is_a_corrupt_record_and_fails_verify(s3, capsys
         CheckpointManager(s3, read_only=True).load(1)
     assert main(["verify", s3]) == 1  # damaged, not unreadable (3)
     assert "step-00000001.commit" in capsys.readouterr().out
+
+
+def test_a_missing_commit_on_s3_whose_name_holds_416_is_missing_not_empty(s3):
+    from trainrec.storage.commit import read_commit
+    from trainrec.storage.location import Store
+
+    with pytest.raises(FileMissingError, match="step-416"):
+        read_commit(Store(f"{s3}/step-416"), ".trainrec-commit")
+    with pytest.raises(FileMissingError, match="x416.mpk"):
+        TrainingRecord.load(NamedMpkFileRecorder(NATIVE), f"{s3}/x416.mpk")
 
 
 def _lock(url: str, **fields) -> None:

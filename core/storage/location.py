@@ -436,8 +436,15 @@ class _PartialReadError(Exception):
 
 
 def _range_not_satisfiable(e: OSError) -> bool:
-    """Whether S3 answered a ranged GET with 416: the object ends before the range starts."""
-    return "InvalidRange" in f"{e} {e.__cause__!r}" or "416" in str(e)
+    """Whether S3 answered a ranged GET with 416: the object ends before the range starts.
+    Told by the response s3fs keeps as the error's cause, never by the message (which names
+    the object: a key holding "416" is no answer)."""
+    response = getattr(e.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = (response.get("Error") or {}).get("Code")
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return code in ("InvalidRange", "416") or status == 416
 
 
 async def _stream_range(fs: Any, bucket: str, key: str, extra: dict[str, str], view: memoryview,
