@@ -6,6 +6,9 @@ the value under a file lock (pytest-xdist's documented pattern: a file in the wo
 common temporary directory), the others wait for it and read it back. Without xdist it is
 the plain fixture.
 
+`XLA_TEST_FLAG` is what the suite adds to `XLA_FLAGS` (tests/conftest.py): XLA's CPU backend
+compiles at LLVM's -O0, and `xla_flags` gives a process the caller's flags with more of its own.
+
 `jax_cache_env` is the environment of a persistent JAX compilation cache that every
 process of the session shares: a fresh process that compiles what an earlier one compiled
 reads the executable instead (the same XLA executable: the results are the same bits).
@@ -51,6 +54,20 @@ def once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[P
         partial.write_bytes(pickle.dumps(value))
         os.replace(partial, done)
         return value
+
+
+XLA_TEST_FLAG = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(*more: str, base: dict[str, str] | None = None) -> str:
+    """`XLA_FLAGS` of `base` (default: this process's environment) with `more` after them."""
+    return " ".join([(base if base is not None else os.environ).get("XLA_FLAGS", ""), *more]).strip()
+
+
+def without_xla_test_flag(env: dict[str, str]) -> dict[str, str]:
+    """`env` as XLA compiles by default: without the suite's `XLA_TEST_FLAG`."""
+    flags = env.get("XLA_FLAGS", "").split()
+    return {**env, "XLA_FLAGS": " ".join(f for f in flags if f != XLA_TEST_FLAG)}
 
 
 def jax_cache_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:

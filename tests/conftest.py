@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test modules share helpers
+from _shared_runs import XLA_TEST_FLAG, xla_flags  # noqa: E402
 
 # JAX compiles the same training steps in many processes of one run (the xdist workers,
 # every fresh process of a continuation or `trainrec check` test): a persistent
@@ -35,9 +36,21 @@ _IN_PROCESS_MIN_COMPILE_SECS = 0.2
 _in_process_bound: list[bool] = []
 
 
+# XLA's CPU backend spends most of a JAX test's CPU in LLVM, optimizing hundreds of small
+# programs (every eager op at every shape, every step function) that run once or a few times:
+# the suite compiles them at -O0 (XLA_TEST_FLAG, in every process it starts), unless the
+# caller's XLA_FLAGS choose a level. Results are bitwise stable at any level within a run;
+# test_jax_continuation.py's fresh-process resumes are compiled at XLA's default level, as a
+# user's are. Measured on tests/test_convert_transformer.py: 63 -> 47 CPU-s.
+def _xla_test_flags() -> None:
+    if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = xla_flags(XLA_TEST_FLAG)
+
+
 def pytest_configure(config):
     """Runs in xdist's controller before it starts the workers, which inherit the
     environment (and find the cache already set up)."""
+    _xla_test_flags()
     if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return  # the caller's own cache, or the controller's
     _made_cache.append(tempfile.mkdtemp(prefix=_CACHE_PREFIX))

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 ROLE, WORK, PID, PORT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
 
 import jax  # noqa: E402
 

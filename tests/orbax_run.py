@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROLE, WORK = sys.argv[1], sys.argv[2]
 DEVICES = {"sharded-save": 8, "sharded-resume": 8, "multiprocess": 2}[ROLE]
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={DEVICES}"]).strip()
 
 import jax  # noqa: E402
 

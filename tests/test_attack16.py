@@ -10,6 +10,8 @@ np = pytest.importorskip("numpy")
 
 optax = pytest.importorskip("optax")
 
+from _shared_runs import xla_flags  # noqa: E402
+
 import trainrec  # noqa: E402
 import trainrec.adapters.jax as trj  # noqa: E402
 from trainrec import (  # noqa: E402
@@ -176,7 +178,7 @@ def test_an_indivisible_target_sharding_is_a_record_mismatch(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     res = subprocess.run([sys.executable, "-c", _INDIVISIBLE], capture_output=True, text=True, timeout=120,
                          env=env, cwd=tmp_path)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

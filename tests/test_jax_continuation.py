@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("flax")
 
+from _shared_runs import XLA_TEST_FLAG, without_xla_test_flag  # noqa: E402
 from continuation import (  # noqa: E402
     WINDOW,
     assert_all,
@@ -33,7 +34,10 @@ CASES = [
 NO_PENDING = [("default", 2)]
 
 
-UNCACHED = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+# the suite compiles at -O0 (tests/conftest.py); these processes, a user's fresh-process
+# resume, at XLA's default optimization level
+DEFAULT_XLA = without_xla_test_flag(dict(os.environ))
+UNCACHED = {**DEFAULT_XLA, "JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 # what every role process imports: forked from a zygote that imported them (see
@@ -43,8 +47,15 @@ PRELOAD = ["jax", "jax.numpy", "optax", "flax", "trainrec.adapters.jax", "trainr
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"), reference_env=UNCACHED,
-                                preload=PRELOAD)
+    return continuation_results("jax", CASES, NO_PENDING, tmp_path_factory.mktemp("jax"), env=DEFAULT_XLA,
+                                reference_env=UNCACHED, preload=PRELOAD)
+
+
+def test_these_processes_compile_at_xlas_default_level_and_the_suite_at_o0():
+    assert "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""), \
+        "the suite's processes compile at XLA's default level: conftest's XLA_TEST_FLAG is gone"
+    for env in (DEFAULT_XLA, UNCACHED):
+        assert XLA_TEST_FLAG not in env["XLA_FLAGS"].split()
 
 
 def test_the_fresh_processes_share_the_suites_compilation_cache(results):

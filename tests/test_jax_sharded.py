@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _shared_runs import jax_cache_env, once
+from _shared_runs import jax_cache_env, once, xla_flags
 
 pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -35,7 +35,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _run(cache: dict[str, str], *args: Any) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu",
                **cache)
     res = subprocess.run([sys.executable, SCRIPT, *map(str, args)], capture_output=True, text=True,
                          timeout=TIMEOUT, env=env)
