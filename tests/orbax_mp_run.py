@@ -27,8 +27,10 @@ import os
 import sys
 from pathlib import Path
 
+from _shared_runs import xla_flags  # next to this script
+
 ROLE, WORK, PID, PORT = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2"]).strip()
+os.environ["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=2")
 
 import jax  # noqa: E402
 

@@ -21,9 +21,11 @@ import os
 import sys
 from pathlib import Path
 
+from _shared_runs import xla_flags  # next to this script
+
 ROLE, WORK = sys.argv[1], sys.argv[2]
 DEVICES = {"sharded-save": 8, "sharded-resume": 8, "multiprocess": 2}[ROLE]
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={DEVICES}"]).strip()
+os.environ["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={DEVICES}")
 
 import jax  # noqa: E402
 
