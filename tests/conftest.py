@@ -51,16 +51,21 @@ def _xla_test_flags() -> None:
 # may run on (up to 8 cores). A test spends part of its time waiting, on the processes it
 # started, a file, a server or a timeout; with one worker per core a core idles then, with one
 # more it runs another test. Measured on 2 cores: 2 workers kept them 80-91% busy (580-710 s),
-# 3 workers 99% (587 s, the same tests). PYTEST_XDIST_AUTO_NUM_WORKERS still decides when set.
+# 3 workers 96-99% (587 s; 718 s on a host with 10x the steal time). PYTEST_XDIST_AUTO_NUM_WORKERS
+# still decides when set.
 def auto_workers(cores: int) -> int:
     return cores + 1 if cores < 8 else cores
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pytest_xdist_auto_num_workers(config):
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return auto_workers(cores)
+    return auto_workers(usable_cores())
 
 
 def pytest_configure(config):

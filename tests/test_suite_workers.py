@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import auto_workers
+from conftest import auto_workers, usable_cores
 
 HERE = Path(__file__).resolve().parent
 
@@ -33,6 +33,5 @@ def _workers(env: dict[str, str]) -> int:
 def test_n_auto_starts_them_and_the_variable_still_decides():
     pytest.importorskip("xdist")
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_AUTO_NUM_WORKERS"}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    assert _workers(env) == auto_workers(cores)
+    assert _workers(env) == auto_workers(usable_cores())
     assert _workers({**env, "PYTEST_XDIST_AUTO_NUM_WORKERS": "1"}) == 1
