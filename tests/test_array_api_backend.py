@@ -129,6 +129,57 @@ def test_every_dtype_of_the_reference_libraries(library):
     assert set(b.dtypes()) == (set(DType) if library == "numpy" else standard)
 
 
+class _CountedReads(dict):
+    """`dtypes=` that counts the reads of its values."""
+
+    reads = 0
+
+    def __getitem__(self, key: Any) -> Any:
+        type(self).reads += 1
+        return super().__getitem__(key)
+
+
+def test_an_adapters_dtypes_are_read_only_when_that_dtype_is_first_needed():
+    given = _CountedReads({DType.BF16: np.dtype(ml_dtypes.bfloat16)})
+    _CountedReads.reads = 0
+    b = ArrayApiBackend(np, dtypes=given)
+    f32 = b.from_host(np.arange(3, dtype=np.float32), "cpu")
+    assert DType.BF16 in b.dtypes() and b.dtype_of(f32) is DType.F32
+    assert b.dtype_of(b.cast(f32, DType.I32)) is DType.I32
+    assert _CountedReads.reads == 0, "a dtype nothing asked for was read"
+    half = b.cast(f32, DType.BF16)
+    assert b.dtype_of(half) is DType.BF16 and half.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert _CountedReads.reads == 1
+    assert b.dtype_of(b.cast(half, DType.BF16)) is DType.BF16 and _CountedReads.reads == 1
+    # a bf16 array met before any bf16 was asked for is still named
+    fresh = ArrayApiBackend(np, dtypes=_CountedReads(given))
+    assert fresh.dtype_of(np.ones(2, ml_dtypes.bfloat16)) is DType.BF16
+
+
+def test_the_numpy_adapter_imports_ml_dtypes_at_its_first_bf16_only():
+    """ml_dtypes' import costs about a second of CPU in every process: a numpy run without
+    bf16 does not pay it (a fresh process: JAX, imported in this one, imports ml_dtypes)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from trainrec import DType\n"
+        "from trainrec.adapters.numpy import ADAPTER, NumpyBackend\n"
+        "b = NumpyBackend()\n"
+        "t = b.from_host(np.arange(4, dtype=np.float32), 'cpu')\n"
+        "import trainrec.adapters.numpy.demo\n"
+        "assert DType.BF16 in b.dtypes() and b.dtype_of(t) is DType.F32\n"
+        "assert 'ml_dtypes' not in sys.modules, 'imported before any bf16'\n"
+        "h = b.cast(t, DType.BF16)\n"
+        "assert 'ml_dtypes' in sys.modules and b.dtype_of(h) is DType.BF16\n"
+        "assert b.to_host(h).tobytes() == np.arange(4, dtype=np.float32).astype(h.dtype).tobytes()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_a_dtype_the_library_lacks_is_a_clear_type_error():
     xp = strict()
     b = ArrayApiBackend(xp)

@@ -72,7 +72,9 @@ class ArrayApiBackend:
     `array_api_compat.array_namespace` of such an array, so numpy, torch and JAX get
     array-api-compat's standard-conforming wrappers. `name` defaults to the library's
     package name. `dtypes` gives native dtypes for the `DType`s the namespace does not
-    name (numpy: `{DType.BF16: ml_dtypes.bfloat16}`).
+    name (numpy: `{DType.BF16: ml_dtypes.bfloat16}`); its keys are read at once, each value
+    only when that dtype is first needed, so that a mapping may import a slow module there
+    (numpy's `NumpyBackend` imports ml_dtypes, about a second of CPU, at its first bf16).
 
     Every method refuses an array of another library (`TypeError`). A dtype the library
     or the device lacks is a `TypeError` naming it; a device it does not have a
@@ -90,13 +92,15 @@ class ArrayApiBackend:
                  dtypes: Mapping[DType, Any] | None = None) -> None:
         self.xp: ModuleType = _namespace(xp)
         self.name: str = name or _library_name(self.xp)
-        native = {d: getattr(self.xp, n) for d, n in _NAMES.items() if hasattr(self.xp, n)}
-        native.update(dtypes or {})
-        self._native: dict[DType, Any] = native
+        standard = {d: getattr(self.xp, n) for d, n in _NAMES.items() if hasattr(self.xp, n)}
+        given: Mapping[DType, Any] = dtypes or {}
+        self._kinds: tuple[DType, ...] = tuple(dict.fromkeys([*standard, *given]))
+        self._native: dict[DType, Any] = {d: v for d, v in standard.items() if d not in given}
+        self._given = given  # each value read by `_native_of` when its dtype is first needed
         self._array_type: type = type(self.xp.asarray(0))
         self._tensor_types: dict[type, bool] = {}
         self._devices: list[tuple[Device, tuple[str, ...]]] | None = None
-        self._on_device: dict[Any, dict[DType, Any]] = {}
+        self._on_device: dict[Any, tuple[DType, ...]] = {}
 
     # -- tensors ---------------------------------------------------------------------------
 
@@ -121,8 +125,11 @@ class ArrayApiBackend:
 
     def _dtype(self, tensor: Tensor) -> DType:
         native = tensor.dtype
-        for dtype, candidate in self._native.items():
+        for dtype, candidate in list(self._native.items()):  # `_native_of` may add to it
             if native == candidate:
+                return dtype
+        for dtype in self._kinds:  # the adapter's dtypes not read yet
+            if dtype not in self._native and native == self._native_of(dtype):
                 return dtype
         if isinstance(native, np.dtype):  # e.g. a big-endian numpy array
             return DType.from_numpy(native)
@@ -284,8 +291,8 @@ class ArrayApiBackend:
             default = array_api_compat.device(self.xp.asarray(0))
         return default
 
-    def _dtypes_on(self, dev: Device) -> dict[DType, Any]:
-        """The `DType`s `dev` has, with their native dtypes."""
+    def _dtypes_on(self, dev: Device) -> tuple[DType, ...]:
+        """The `DType`s `dev` has."""
         key = _key(dev)
         found = self._on_device.get(key)
         if found is None:
@@ -296,18 +303,26 @@ class ArrayApiBackend:
                     listed = info().dtypes(device=dev)
                 except TypeError:
                     listed = info().dtypes()
-            found = {d: native for d, native in self._native.items()
-                     if listed is None or d in _OUTSIDE_STANDARD or _NAMES[d] in listed}
+            found = tuple(d for d in self._kinds
+                          if listed is None or d in _OUTSIDE_STANDARD or _NAMES[d] in listed)
             self._on_device[key] = found
         return found
 
     def _native_dtype(self, dtype: DType, dev: Device) -> Any:
         have = self._dtypes_on(dev)
         if dtype not in have:
-            where = "" if dtype not in self._native else f" on device {dev!r}"
+            where = "" if dtype not in self._kinds else f" on device {dev!r}"
             raise TypeError(f"{self.name} has no {dtype.value} ({_NAMES[dtype]}){where}; it has "
                             + ", ".join(d.value for d in have))
-        return have[dtype]
+        return self._native_of(dtype)
+
+    def _native_of(self, dtype: DType) -> Any:
+        """The native dtype of `dtype`, one of `_kinds`: the adapter's value read now if it
+        has not been."""
+        found = self._native.get(dtype)
+        if found is None:
+            found = self._native[dtype] = self._given[dtype]
+        return found
 
     def _read(self, tensor: Tensor) -> HostArray:
         """A numpy array (perhaps a view) of `tensor`'s values, moved to the CPU first when
@@ -335,7 +350,7 @@ class ArrayApiBackend:
             raise TypeError(f"no numpy reader for {dtype.value}")
         if callable(getattr(tensor, "view", None)):
             try:
-                bits = self._read(tensor.view(self._native[DType.I16]))
+                bits = self._read(tensor.view(self._native_of(DType.I16)))
             except _CANNOT:
                 pass
             else:
