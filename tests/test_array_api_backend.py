@@ -156,6 +156,16 @@ def test_an_adapters_dtypes_are_read_only_when_that_dtype_is_first_needed():
     assert fresh.dtype_of(np.ones(2, ml_dtypes.bfloat16)) is DType.BF16
 
 
+def test_a_plain_dtypes_dict_changed_later_does_not_change_the_backend():
+    given = {DType.BF16: np.dtype(ml_dtypes.bfloat16)}
+    b = ArrayApiBackend(np, dtypes=given)
+    given[DType.BF16] = np.dtype(np.float16)
+    given[DType.F64] = np.dtype(np.float32)
+    half = b.cast(b.from_host(np.arange(3, dtype=np.float32), "cpu"), DType.BF16)
+    assert half.dtype == np.dtype(ml_dtypes.bfloat16) and b.dtype_of(half) is DType.BF16
+    assert b.dtype_of(b.cast(half, DType.F64)) is DType.F64
+
+
 def test_the_numpy_adapter_imports_ml_dtypes_at_its_first_bf16_only():
     """ml_dtypes' import costs about a second of CPU in every process: a numpy run without
     bf16 does not pay it (a fresh process: JAX, imported in this one, imports ml_dtypes)."""

@@ -93,7 +93,9 @@ class ArrayApiBackend:
         self.xp: ModuleType = _namespace(xp)
         self.name: str = name or _library_name(self.xp)
         standard = {d: getattr(self.xp, n) for d, n in _NAMES.items() if hasattr(self.xp, n)}
-        given: Mapping[DType, Any] = dtypes or {}
+        # a plain dict is copied (a caller's later change does not reach us); another
+        # Mapping is kept, so that its values are read only when first needed
+        given: Mapping[DType, Any] = dict(dtypes) if type(dtypes) is dict else (dtypes or {})
         self._kinds: tuple[DType, ...] = tuple(dict.fromkeys([*standard, *given]))
         self._native: dict[DType, Any] = {d: v for d, v in standard.items() if d not in given}
         self._given = given  # each value read by `_native_of` when its dtype is first needed
