@@ -13,6 +13,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # test modules share helpers
 from _shared_runs import XLA_TEST_FLAG, xla_flags  # noqa: E402
 
+# Where PYTHONDONTWRITEBYTECODE is set (as on this project's machines), Python compiles every
+# module from source in each process and pytest rewrites and compiles every test module in
+# each xdist worker, again at every run: the suite lets them keep their bytecode in
+# __pycache__ (which git ignores), in its own processes and in those they start. Measured on
+# 2 cores: collection 10.8 -> 6.5 s per worker once cached; the whole suite from a tree with
+# no bytecode, 776 -> 760 CPU-s (397 -> 389 s). No test's result depends on it.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
+
 # JAX compiles the same training steps in many processes of one run (the xdist workers,
 # every fresh process of a continuation or `trainrec check` test): a persistent
 # compilation cache shared by all of them, for this run only, compiles each once. The

@@ -1,6 +1,7 @@
 """`pytest -n auto` (the README's test command) starts one xdist worker more than the cores
 it may run on, up to 8 cores (tests/conftest.py: `auto_workers`); PYTEST_XDIST_AUTO_NUM_WORKERS
-still decides when set."""
+still decides when set; the suite keeps its bytecode where PYTHONDONTWRITEBYTECODE is set
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,10 @@ def test_n_auto_starts_them_and_the_variable_still_decides():
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_AUTO_NUM_WORKERS"}
     assert _workers(env) == auto_workers(usable_cores())
     assert _workers({**env, "PYTEST_XDIST_AUTO_NUM_WORKERS": "1"}) == 1
+
+
+def test_the_suite_and_the_processes_it_starts_keep_their_bytecode():
+    assert not sys.dont_write_bytecode and "PYTHONDONTWRITEBYTECODE" not in os.environ
+    child = subprocess.run([sys.executable, "-c", "import sys; print(sys.dont_write_bytecode)"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.stdout.split() == ["False"], child.stdout + child.stderr
