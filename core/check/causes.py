@@ -92,7 +92,7 @@ def explain(*, at: int, window: int, divergence: Any, differing: Sequence[Any],
             step: dict[str, Any], saved: Sequence[Sequence[Any]], ref_extras: dict[str, Any],
             got_extras: dict[str, Any], equal_before: Sequence[int],
             own_checkpoint: bool = False) -> str:
-    """The likely cause of `divergence` (a `trainrec.check.resume.Divergence`) and its fix, one
+    """The likely cause of `divergence` (a `trainrec.check.report.Divergence`) and its fix, one
     paragraph. `differing`: every difference at that micro-step; `step`: the resume's record
     of it (pending counts, the batches); `saved`: what the loaded checkpoint holds unlike the
     state it was taken from; `*_extras`: the fingerprints of `Parts.extras` right after the
