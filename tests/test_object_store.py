@@ -155,7 +155,7 @@ def test_a_missing_commit_whose_name_holds_416_is_missing_not_empty(mem):
     with 416 in its URL was once read as an empty one, so that a save there was refused as
     "committed already" and a load called it damaged."""
     from trainrec.storage.commit import read_commit
-    from trainrec.storage.location import Store
+    from trainrec.storage.store import Store
 
     url = f"{mem}/run-416/step-416"
     with pytest.raises(FileMissingError, match="step-416"):
@@ -422,7 +422,7 @@ def test_an_emptied_commit_on_s3_is_a_corrupt_record_and_fails_verify(s3, capsys
 
 def test_a_missing_commit_on_s3_whose_name_holds_416_is_missing_not_empty(s3):
     from trainrec.storage.commit import read_commit
-    from trainrec.storage.location import Store
+    from trainrec.storage.store import Store
 
     with pytest.raises(FileMissingError, match="step-416"):
         read_commit(Store(f"{s3}/step-416"), ".trainrec-commit")

@@ -41,7 +41,8 @@ from ..errors import FileMissingError, RecorderError
 from ..items.checksum import crc32
 from ..storage.commit import COMMIT_SUFFIX, Commit, CommitObject, encode, expectations, read_commit
 from ..storage.files import parse_json
-from ..storage.location import Store, expecting, location, read_bytes, uploads
+from ..storage.location import expecting, location, read_bytes, uploads
+from ..storage.store import Store
 from ..training.protocols import Recorder
 from ..training.record import TrainingRecord
 from .local import (

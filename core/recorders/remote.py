@@ -24,7 +24,8 @@ from ..format.header import Header
 from ..items.tree import Item, iter_tensors
 from ..storage.commit import COMMIT_SUFFIX, checkpoint_url, expectations, read_commit
 from ..storage.folder import FOLDER_COMMIT, read_folder_commit, read_staged_folder
-from ..storage.location import Store, download, expecting, filesystem, object_size
+from ..storage.location import download, expecting, filesystem, object_size
+from ..storage.store import Store
 from .sniff import HEAD_BYTES
 
 __all__ = ["read_url", "read_staged", "committed", "split_url"]

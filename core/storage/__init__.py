@@ -1,15 +1,15 @@
 """Where bytes live: local paths and fsspec store URLs (`location`), crash-safe file replacement
 (`atomic`), opening the files a load reads, regular files only and JSON within bounds (`files`),
+one folder of a store with its small-object operations (`store`),
 and commit objects that make a checkpoint of several objects visible at once on a store (`commit`).
 It knows nothing of formats or records; it may import `trainrec.errors` and `trainrec.items`.
 
-`trainrec.storage` (the path spec/PROTOCOLS.md names) is `trainrec.storage.location`'s names."""
+`trainrec.storage` (the path spec/PROTOCOLS.md names) is `trainrec.storage.location`'s names and `Store`."""
 
 
 from .location import (
     PART_BYTES,
     READ_BYTES,
-    Store,
     Written,
     download,
     expecting,
@@ -23,6 +23,7 @@ from .location import (
     upload,
     uploads,
 )
+from .store import Store
 
 __all__ = [
     "is_url",

@@ -19,7 +19,8 @@ from typing import Any
 from ..errors import CorruptRecordError, FileMissingError, UnsupportedVersionError
 from ..items.checksum import crc32
 from .files import parse_json
-from .location import Store, Written
+from .location import Written
+from .store import Store
 
 __all__ = ["COMMIT_SUFFIX", "Commit", "CommitObject", "encode", "decode", "read_commit",
            "expectations"]

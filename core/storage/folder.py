@@ -28,7 +28,8 @@ from typing import TypeVar
 
 from ..errors import CorruptRecordError, FileMissingError, RecorderError
 from .commit import Commit, CommitObject, encode, read_commit
-from .location import READ_BYTES, Store, Written, download, expecting, upload, uploads
+from .location import READ_BYTES, Written, download, expecting, upload, uploads
+from .store import Store
 
 __all__ = ["FOLDER_COMMIT", "Store", "CommitObject", "new_save_id", "object_name", "upload_files", "upload_bytes",
            "commit_folder", "committed_by", "refuse_committed", "discard", "read_folder_commit",
