@@ -247,6 +247,70 @@ def test_an_allowed_function_change_runs_the_live_function_from_the_recorded_pos
     assert sched.last_epoch == 3 and sched.lr_lambdas[0].keywords["num_training_steps"] == 200
 
 
+def _at_lr(lr):
+    return lambda ps: torch.optim.AdamW(ps, lr=lr)
+
+
+# a scheduler that computes each lr from the last one (the recorded position) would keep a
+# new base_lrs and never use it: allowing it is refused, saying what to do instead
+FROM_THE_LAST = {
+    "StepLR": lambda o: L.StepLR(o, 2, gamma=0.5),
+    "CosineAnnealingLR": lambda o: L.CosineAnnealingLR(o, T_max=6),
+    "ExponentialLR": lambda o: L.ExponentialLR(o, 0.9),
+    "OneCycleLR": lambda o: L.OneCycleLR(o, max_lr=o.param_groups[0]["lr"], total_steps=10),
+    "sequential-child": _seq(lambda o: L.StepLR(o, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FROM_THE_LAST))
+def test_a_new_base_lr_that_would_not_take_effect_is_refused_even_when_allowed(name):
+    make = FROM_THE_LAST[name]
+    rec = _record(*_run(_at_lr(0.01), make))
+    model, opt, sched = _fresh(_at_lr(0.1), make)
+    before = _snapshot(model, opt, sched)
+    with pytest.raises(RecordMismatchError) as plain:
+        rec.restore(model, opt, sched, "cpu")
+    assert "base_lrs cannot be allowed" in str(plain.value) and "recorded position" in str(plain.value)
+    assert "base_lrs'}" not in str(plain.value), "suggests an allow_changes that would not take effect"
+    with pytest.raises(RecordMismatchError, match="base_lrs cannot be allowed: a [A-Za-z]+LR computes"):
+        rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
+    assert _unchanged(before, model, opt, sched)
+
+
+def test_what_the_refusal_says_to_do_continues_the_schedule_at_the_new_lr():
+    rec = _record(*_run(_at_lr(0.01), FROM_THE_LAST["CosineAnnealingLR"]))
+    model, opt, sched = _fresh(_at_lr(0.01), FROM_THE_LAST["CosineAnnealingLR"])
+    rec.restore(model, opt, sched, "cpu")
+    for g in opt.param_groups:
+        g["lr"], g["initial_lr"] = g["lr"] * 10, g["initial_lr"] * 10
+    sched.base_lrs = [b * 10 for b in sched.base_lrs]
+    _, fresh_opt, fresh = _run(_at_lr(0.1), FROM_THE_LAST["CosineAnnealingLR"])
+    for _ in range(8):  # across the restart at T_max, where base_lrs is read
+        opt.step(), sched.step(), fresh_opt.step(), fresh.step()
+        assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12, abs=1e-15)
+
+
+# schedulers that compute each lr from base_lrs: an allowed new base lr takes effect
+FROM_THE_BASE = {
+    "LambdaLR": lambda o: L.LambdaLR(o, lambda s: 0.9 ** s),
+    "CosineAnnealingWarmRestarts": lambda o: L.CosineAnnealingWarmRestarts(o, 4),
+    "CyclicLR": lambda o: L.CyclicLR(o, base_lr=o.param_groups[0]["lr"], max_lr=1.0, step_size_up=4,
+                                     cycle_momentum=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FROM_THE_BASE))
+def test_an_allowed_new_base_lr_takes_effect_where_each_lr_is_computed_from_it(name):
+    make = FROM_THE_BASE[name]
+    rec = _record(*_run(_at_lr(0.01), make))
+    model, opt, sched = _fresh(_at_lr(0.1), make)
+    rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
+    assert sched.base_lrs == [0.1] and sched.last_epoch == 3
+    _, fresh_opt, fresh = _run(_at_lr(0.1), make)
+    opt.step(), sched.step(), fresh_opt.step(), fresh.step()
+    assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12)
+
+
 # -- optimizer hyperparameters -------------------------------------------------------------
 
 HYPER = {
@@ -425,6 +489,16 @@ def test_dcp_load_with_allow_changes_keeps_the_live_values(dcp_saved):
     assert (sched.T_max, opt.param_groups[0]["weight_decay"], sched.last_epoch) == (60, 0.3, 3)
     assert _same(opt.state_dict()["state"], sopt.state_dict()["state"])
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), smodel.parameters()))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dcp_load_refuses_a_new_base_lr_that_would_not_take_effect_even_when_allowed(dcp_saved):
+    _, path = dcp_saved
+    model, opt, sched = _fresh(_at_lr(1.0), lambda o: L.CosineAnnealingLR(o, T_max=6))
+    before = _snapshot(model, opt, sched)
+    with pytest.raises(RecordMismatchError, match="base_lrs cannot be allowed: a CosineAnnealingLR"):
+        trt.DCPRecorder().load(path, model, opt, sched, allow_changes={"scheduler.base_lrs"})
+    assert _unchanged(before, model, opt, sched)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -31,7 +31,7 @@ from torch.optim import lr_scheduler as _sched
 from trainrec.adapter_kit import Item
 
 __all__ = ["IDENTITY_KEY", "identity_of", "scheduler_fields", "hyperparameter_fields",
-           "NOT_HYPERPARAMETERS"]
+           "NOT_HYPERPARAMETERS", "base_lrs_refusal"]
 
 IDENTITY_KEY = "#identity"
 
@@ -64,6 +64,31 @@ _ENTRIES = 64  # literals of a function kept, at most
 
 NOT_HYPERPARAMETERS = frozenset({"params", "lr", "initial_lr", "foreach", "fused", "capturable",
                                  "differentiable"})
+
+
+# schedulers whose next lr is computed from the last one (a param group's `lr`: the recorded
+# position) or, OneCycleLR, from the param groups' `initial_lr` and `max_lr`, not from
+# `base_lrs` (CosineAnnealingLR reads it at a restart only): a new base lr kept live would
+# not take effect. LambdaLR, CyclicLR and CosineAnnealingWarmRestarts compute each lr from it.
+_FROM_THE_LAST = (_sched.MultiplicativeLR, _sched.StepLR, _sched.MultiStepLR, _sched.ConstantLR,
+                  _sched.LinearLR, _sched.ExponentialLR, _sched.PolynomialLR,
+                  _sched.CosineAnnealingLR, _sched.OneCycleLR)
+
+
+def base_lrs_refusal(cls: type) -> str:
+    """Why a scheduler of class `cls` (by its nearest torch ancestor) cannot keep a live
+    `base_lrs` other than the record's ("" when it can: its lr is computed from them)."""
+    for base in cls.__mro__:
+        if base in _ARGS:
+            if base not in _FROM_THE_LAST:
+                return ""
+            also = " and its 'max_lr' and 'min_lr'" if base is _sched.OneCycleLR else ""
+            return (f"a {base.__name__} computes each learning rate from the last one (the recorded "
+                    "position), not from base_lrs, so a new base lr would be kept yet not take effect; "
+                    "build the optimizer with the recorded lr and, to change the learning rate from here, "
+                    "scale each param group's 'lr' and 'initial_lr'" + also + " and the scheduler's "
+                    "base_lrs yourself after the restore")
+    return ""
 
 
 def args_of(cls: type) -> tuple[str, ...]:

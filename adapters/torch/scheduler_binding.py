@@ -4,6 +4,7 @@ from the optimizer it drives).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from trainrec import RecordMismatchError, StateRecord
 from trainrec.adapter_kit import Change, Item, expect_kind, field_changes, settle, unchecked
 
-from .identity import IDENTITY_KEY, flatten, identity_of, scheduler_fields
+from .identity import IDENTITY_KEY, base_lrs_refusal, flatten, identity_of, scheduler_fields
 from .state_values import _kind, decode, encode
 
 # -- scheduler ----------------------------------------------------------------------------
@@ -92,8 +93,11 @@ class TorchLrScheduler:
                                       key=f"{path}.{IDENTITY_KEY}")
         else:  # an older record: what only the identity says goes unchecked
             unknown = {p for p in flatten(live_identity, path) if p != f"{path}.class"}
-        return (state, live, field_changes(recorded_fields, live_fields),
-                set(recorded_fields) | set(live_fields), unknown)
+        classes = {f"{path}.base_lrs": type(self.scheduler)}
+        classes.update({f"{path}._schedulers.{i}.base_lrs": c for i, c in enumerate(live_children or [])})
+        changes = [dataclasses.replace(c, refusal=base_lrs_refusal(classes[c.path])) if c.path in classes else c
+                   for c in field_changes(recorded_fields, live_fields)]
+        return state, live, changes, set(recorded_fields) | set(live_fields), unknown
 
     @staticmethod
     def _check_children(state: dict[str, Any], live: dict[str, Any]) -> None:

@@ -58,6 +58,10 @@ class Change:
     recorded: Item
     live: Item
     text: str = ""  # how to say it, when not `PATH: RECORDED in the record, LIVE live`
+    refusal: str = ""
+    """Why the live value cannot be kept even when `allow_changes` names it (it would be
+    kept, yet not take effect: a torch `StepLR`'s `base_lrs`), and what to do instead;
+    empty for a change `allow_changes` may allow."""
 
     def __str__(self) -> str:
         return self.text or f"{self.path}: {show(self.recorded)} in the record, {show(self.live)} live"
@@ -101,7 +105,8 @@ def _allows(entry: str, path: str) -> bool:
 def settle(changes: list[Change], fields: Iterable[str], allow: frozenset[str],
            what: str, hint: str = "") -> frozenset[str]:
     """The paths of `changes` that `allow` allows; `RecordMismatchError` naming the others
-    (each path with both values, and the argument that would allow them), `ValueError` for
+    (each path with both values, and the argument that would allow them; a change with a
+    `refusal` is refused even when allowed, with that reason), `ValueError` for
     an entry of `allow` that allows none of `fields` (every path compared) nor of
     `changes`. `what` says what differs ("the live scheduler X: its schedule"), `hint`
     how to resolve it."""
@@ -111,15 +116,17 @@ def settle(changes: list[Change], fields: Iterable[str], allow: frozenset[str],
         shown = ", ".join(sorted(known)[:12]) or "none"
         raise ValueError(f"allow_changes entry {unused[0]!r} names no field compared for "
                          f"{what} (fields: {shown})")
-    refused = [c for c in changes if not any(_allows(e, c.path) for e in allow)]
+    refused = [c for c in changes if c.refusal or not any(_allows(e, c.path) for e in allow)]
     if refused:
         listed = "; ".join(str(c) for c in refused[:_SHOWN])
         more = f" (and {len(refused) - _SHOWN} more)" if len(refused) > _SHOWN else ""
-        names = ", ".join(repr(p) for p in sorted({suggest(c.path) for c in refused})[:_SHOWN])
-        raise RecordMismatchError(
-            f"{what} differ from the record's: {listed}{more}. {hint}"
-            f"{' ' if hint else ''}To resume with the live value on purpose, pass "
-            f"allow_changes={{{names}}}", key=refused[0].path)
+        names = ", ".join(repr(p) for p in sorted({suggest(c.path) for c in refused if not c.refusal})[:_SHOWN])
+        parts = [f"{what} differ from the record's: {listed}{more}.", *([hint] if hint else [])]
+        parts += [f"{c.path} cannot be allowed: {c.refusal}."
+                  for c in {c.refusal: c for c in refused if c.refusal}.values()]
+        if names:
+            parts.append(f"To resume with the live value on purpose, pass allow_changes={{{names}}}")
+        raise RecordMismatchError(" ".join(parts), key=refused[0].path)
     return frozenset(c.path for c in changes)
 
 
