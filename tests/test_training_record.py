@@ -248,3 +248,27 @@ def test_state_must_be_a_record(live):
         TrainingRecord.capture(model, opt, sched, acc, {"micro": 1})
     with pytest.raises(TypeError):
         TrainingRecord.capture(object(), opt, sched, acc, counters())
+
+
+def test_a_recorder_class_or_a_non_recorder_is_a_type_error_naming_it(live, tmp_path):
+    model, opt, sched, acc, gen = live
+    rec = TrainingRecord.capture(model, opt, sched, acc, counters(gen))
+    path = tmp_path / "r.mpk"
+    rec.save(NamedMpkFileRecorder(), path)
+    with pytest.raises(TypeError, match=r"got the class NamedMpkFileRecorder: pass NamedMpkFileRecorder\(\)"):
+        TrainingRecord.load(NamedMpkFileRecorder, path, "cpu", state_type=Counters)
+    with pytest.raises(TypeError, match=r"got the class NamedMpkFileRecorder: pass NamedMpkFileRecorder\(\)"):
+        rec.save(NamedMpkFileRecorder, tmp_path / "other.mpk")
+    with pytest.raises(TypeError, match=r"got str, which has no read\(\)"):
+        TrainingRecord.load("r.mpk", path, "cpu", state_type=Counters)
+    assert not (tmp_path / "other.mpk").exists()
+
+
+@pytest.mark.parametrize("state_type", [dict, int, "Counters", object()])
+def test_a_state_type_that_is_not_a_record_class_is_a_type_error_before_the_read(state_type, tmp_path):
+    class Unread(NamedMpkFileRecorder):
+        def read(self, args, **kw):
+            raise AssertionError("read before the arguments were checked")
+
+    with pytest.raises(TypeError, match=r"state_type must be the caller state's record class .*got "):
+        TrainingRecord.load(Unread(), tmp_path / "r.mpk", "cpu", state_type=state_type)

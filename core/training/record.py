@@ -149,6 +149,7 @@ class TrainingRecord(Generic[U]):
         cls, item: Item, device: Any = None, state_type: type[U] | None = None
     ) -> TrainingRecord[U]:
         """Rebuild from a 5-item list; raises `CorruptRecordError` naming the bad component."""
+        _check_state_type(state_type)
         if not isinstance(item, list) or len(item) != 5:
             raise CorruptRecordError(
                 "a TrainingRecord item is a list of 5: model, optimizer, scheduler, grads, state"
@@ -173,6 +174,7 @@ class TrainingRecord(Generic[U]):
         precision settings would change, unless `allow_lossy=True` and it is a float (a
         changed integer is refused even then; the recorder checks
         each tensor as it converts it; a refused save leaves an existing file intact)."""
+        _check_recorder(recorder, "save_item")
         item = self.into_item(_NATIVE)
         try:
             return recorder.save_item(item, args, self.RECORD_NAME, allow_lossy=allow_lossy)
@@ -199,6 +201,8 @@ class TrainingRecord(Generic[U]):
         **load_kw: Any,
     ) -> TrainingRecord[Any]:
         """Read a combined record using the selected recorder and device."""
+        _check_recorder(recorder, "read")
+        _check_state_type(state_type)
         header, item = recorder.read(args, **load_kw)
         if header.record_type != cls.RECORD_NAME:
             raise RecordMismatchError(
@@ -366,6 +370,25 @@ def _changes_kw(method: Callable[..., Any], allow: frozenset[str], component: st
         raise ValueError(f"allow_changes names {component} fields ({', '.join(sorted(mine))}) but "
                          f"the {component} adapter of {bound.kind} compares none")
     return {"allow_changes": mine}
+
+
+def _check_recorder(recorder: Any, method: str) -> None:
+    """`TypeError` for a recorder class in place of an instance, or an object that is none."""
+    if isinstance(recorder, type):
+        raise TypeError(f"recorder must be a recorder instance, got the class {recorder.__name__}: "
+                        f"pass {recorder.__name__}()")
+    if not callable(getattr(recorder, method, None)):
+        raise TypeError(f"recorder must be a trainrec recorder (e.g. NamedMpkFileRecorder()), got "
+                        f"{type(recorder).__name__}, which has no {method}()")
+
+
+def _check_state_type(state_type: Any) -> None:
+    """`TypeError` for a `state_type` that is not a record class."""
+    if state_type is not None and not (isinstance(state_type, type)
+                                       and callable(getattr(state_type, "from_item", None))):
+        shown = state_type.__name__ if isinstance(state_type, type) else repr(state_type)
+        raise TypeError(f"state_type must be the caller state's record class (a @trainrec.record "
+                        f"dataclass, or a class with a from_item classmethod), got {shown}")
 
 
 def _check_accumulator(accumulator: Any) -> None:
