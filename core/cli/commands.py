@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
     ins.add_argument("file")
     ins.add_argument("--json", action="store_true")
 
-    ver = sub.add_parser("verify", help="check every checksum of a record file (exit 1 on corruption)")
+    ver = sub.add_parser("verify", help="check every checksum of a record file (exit 1 on corruption, 3 when unreadable)")
     ver.add_argument("file")
     ver.add_argument("--json", action="store_true")
 
