@@ -20,7 +20,7 @@ from ..precision import PrecisionSettings
 if TYPE_CHECKING:
     from ..format.header import Header
     from ..items.tree import Item
-    from .records import StateRecord
+    from .state_record import StateRecord
 
 __all__ = [
     "ParamId",

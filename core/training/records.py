@@ -4,8 +4,8 @@
 tree of host copies. `@record` turns a dataclass into a `Record`; `RngRecord` holds
 Python's and numpy's random states.
 
-This module holds `StateRecord`, the item conversions (`to_item`, `from_item_as`) and
-`@record`; beside it, one idea each: `field_types` (what a declared field may be),
+This module holds the item conversions (`to_item`, `from_item_as`) and `@record`; beside it,
+one idea each: `state_record` (`StateRecord`), `field_types` (what a declared field may be),
 `lazy_fields` (tensors read on first use), `rng_record` (`RngRecord`) and `item_checks`
 (`check_tensor_map`, `kind_mismatches`). Every name is importable from here as before.
 """
@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import CorruptRecordError, RecordMismatchError
 from ..items.tensor import TensorData
 from ..items.tree import Item, check_item, join_key, map_tree, walk_pairs  # noqa: F401
-from ..precision import convert_item
+from ..precision import PrecisionSettings, convert_item
 
 # every name this module held before its split, from its new home (tests and users import them)
 from .field_types import (  # noqa: F401
@@ -66,7 +66,6 @@ from .lazy_fields import (  # noqa: F401
     _unread,
 )
 from .lazy_fields import lazy_fields as lazy_fields  # imported from here by trainrec itself
-from .protocols import PrecisionSettings
 from .registry import backend_for
 from .rng_record import (  # noqa: F401
     _ARRAY_DTYPES,
@@ -74,6 +73,7 @@ from .rng_record import (  # noqa: F401
     _decode_state,
     _encode_state,
 )
+from .state_record import StateRecord
 
 __all__ = [
     "StateRecord",
@@ -89,28 +89,6 @@ __all__ = [
 
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class StateRecord:
-    """A component's state as an item tree of host copies, tagged with its `kind`."""
-
-    kind: str
-    item: Item
-
-    RECORD_NAME = "StateRecord"
-
-    def into_item(self, settings: PrecisionSettings) -> Item:
-        return {"kind": self.kind, "state": convert_item(self.item, settings)}
-
-    @classmethod
-    def from_item(cls, item: Item, device: Any = None, *, key: str = "") -> StateRecord:
-        if not isinstance(item, dict) or set(item) != {"kind", "state"}:
-            raise CorruptRecordError("component record must be {kind, state}", key=key)
-        kind = item["kind"]
-        if not isinstance(kind, str):
-            raise CorruptRecordError("component kind must be a string", key=join_key(key, "kind"))
-        return cls(kind, check_item(item["state"], join_key(key, "state")))
 
 
 # -- caller state: @record ----------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import CorruptRecordError, RecordMismatchError
 from ..items.tree import Item, map_tree
-from .protocols import PrecisionSettings
+from ..precision import PrecisionSettings
 
 # -- RNG state ----------------------------------------------------------------------------
 
