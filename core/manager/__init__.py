@@ -6,6 +6,7 @@ onto a store URL (`store`). A tool on top of the data path: it may import `workl
 `trainrec.manager` is `trainrec.manager.local`'s names."""
 
 
+from . import store as _store  # noqa: F401  (registers the manager of store URLs)
 from .local import (
     CheckpointManager,
     KeepBest,

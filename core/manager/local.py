@@ -175,11 +175,16 @@ class CheckpointManager:
         latest = self.latest_step()
         self._newest = -1 if latest is None else latest
 
-    def __new__(cls, directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
-        if cls is CheckpointManager and is_url(directory):  # a store: the commit protocol
-            from .store import StoreCheckpointManager
+    # the manager of a store URL (`trainrec.manager.store`, a subclass: the commit protocol);
+    # that module registers it here as it is imported (the package imports it)
+    _for_urls: type[CheckpointManager] | None = None
 
-            return super().__new__(StoreCheckpointManager)
+    def __new__(cls, directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
+        if cls is CheckpointManager and is_url(directory):
+            if CheckpointManager._for_urls is None:
+                raise RecorderError("no manager of store URLs is registered: import "
+                                    "trainrec.manager (it registers trainrec.manager.store's)")
+            return super().__new__(CheckpointManager._for_urls)
         return super().__new__(cls)
 
     # what help() and inspect.signature show is __init__'s, not the dispatching __new__'s

@@ -393,3 +393,5 @@ def _held_by(holder: dict[str, Any]) -> str:
     return (f"another CheckpointManager writes to this folder: {who}. One writer per folder: "
             "stop it first, or read with CheckpointManager(..., read_only=True)")
 
+
+CheckpointManager._for_urls = StoreCheckpointManager  # CheckpointManager(url) builds this one
