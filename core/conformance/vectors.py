@@ -37,7 +37,8 @@ from ..precision import (
     NativePrecisionSettings,
 )
 from ..recorders.formats import format_named
-from ..recorders.namedmpk import NamedMpkFileRecorder, NamedMpkGzFileRecorder, RecorderBase
+from ..recorders.namedmpk import NamedMpkFileRecorder, NamedMpkGzFileRecorder
+from ..training.protocols import Recorder
 from ..workload.loop import load_workload, train_until
 
 __all__ = ["describe", "check_vectors", "write_vectors", "vector_dir"]
@@ -104,7 +105,7 @@ def _training_record() -> Item:
     return fixed_item
 
 
-def _recorder(kind: str, settings: str) -> RecorderBase:
+def _recorder(kind: str, settings: str) -> Recorder:
     s = _SETTINGS[settings]
     if kind == "mpk":
         return NamedMpkFileRecorder(s)

@@ -10,7 +10,9 @@ extension. Resolution order of `known_formats()`:
    format's name, value = `"module:attr"` naming a `Format`), by name; an entry point
    that fails to load, or names something else, is skipped with a warning;
 3. core's own formats: NamedMpk (`.mpk`), gzip NamedMpk (`.mpk.gz`), flax msgpack
-   (`.msgpack`) and Burn's files (Burnpack `.bpk`, NamedMpk, gzip NamedMpk, Bin).
+   (`.msgpack`) and Burn's files (Burnpack `.bpk`, NamedMpk, gzip NamedMpk, Bin), which
+   `trainrec.recorders.builtin_formats` gives (`set_builtin_formats`) as the package is
+   imported: this module imports none of the modules that read them.
 
 The bundled adapters' formats (torch `.pt`, read by core's `trainrec.recorders.ptfile`;
 DDP and DCP directories; Orbax checkpoint directories) come through step 2 like any
@@ -43,15 +45,13 @@ from ..errors import (
     HINT_BYTES,
     CorruptRecordError,
     RecorderError,
-    reading,
 )
 from ..storage.files import kind_of, open_regular
 
 if TYPE_CHECKING:
     from ..format.header import Header
     from ..items.tree import Item
-    from ..training.protocols import PrecisionSettings
-    from .namedmpk import RecorderBase
+    from ..training.protocols import PrecisionSettings, Recorder
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -65,6 +65,7 @@ __all__ = [
     "resolve_format",
     "resolve_directory_format",
     "recorder_for",
+    "set_builtin_formats",
 ]
 
 ENTRY_POINT_GROUP = "trainrec.formats"
@@ -126,7 +127,7 @@ class Format:
             raise TypeError(f"Format.marker must be a relative path inside a checkpoint "
                             f"directory (or ''), got {self.marker!r}")
 
-    def new_recorder(self, settings: PrecisionSettings | None = None) -> RecorderBase:
+    def new_recorder(self, settings: PrecisionSettings | None = None) -> Recorder:
         """A recorder that writes this format. Raises `RecorderError` naming the module
         when it cannot be imported (a framework that is not installed)."""
         module, _, attr = self.recorder.partition(":")
@@ -136,7 +137,7 @@ class Format:
             raise RecorderError(f"writing {self.name} files needs {module} ({e})") from e
         except AttributeError as e:
             raise RecorderError(f"{self.recorder} does not exist ({e})") from e
-        recorder: RecorderBase = cls(settings)
+        recorder: Recorder = cls(settings)
         return recorder
 
 
@@ -302,135 +303,28 @@ def _what(path: Path) -> str:
         return "unreadable"
 
 
-def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) -> RecorderBase:
+def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) -> Recorder:
     """A recorder that writes the format `path`'s extension names (NamedMpk when it names
     none), with `settings` (None: Full)."""
     fmt = format_for_name(path) or format_named("trainrec.namedmpk")
-    assert fmt is not None  # built in
+    if fmt is None:
+        raise RecorderError("no format of core's own is known: import trainrec.recorders")
     return fmt.new_recorder(settings)
 
 
-# -- the built-in formats --------------------------------------------------------------------
+# -- core's own formats -----------------------------------------------------------------------
+
+_BUILTIN: tuple[Format, ...] = ()
+BUILTIN_FORMATS: tuple[Format, ...] = ()
+"""The formats trainrec ships (whose readers `read_file` trusts to return items): given by
+`trainrec.recorders.builtin_formats` as the package `trainrec.recorders` is imported."""
 
 
-def _is_map(head: bytes) -> bool:
-    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
-
-
-def _sniff_namedmpk(head: bytes) -> bool:
-    return _is_map(head) and b"trainrec.namedmpk" in head
-
-
-def _sniff_gz(head: bytes) -> bool:
-    return head[:2] == b"\x1f\x8b"
-
-
-def _sniff_flax(head: bytes) -> bool:
-    """Ours, or any msgpack map that is not NamedMpk (a plain flax state dict); not a
-    map whose first bytes look like a damaged NamedMpk header."""
-    if not _is_map(head):
-        return False
-    if b"trainrec.flax" in head:
-        return True
-    from .burn import sniff_namedmpk
-
-    return b"trainrec" not in head and b"namedmpk" not in head and not sniff_namedmpk(head)
-
-
-def _read_namedmpk(path: Path, mmap: bool) -> tuple[Header, Item]:
-    from ..precision import NativePrecisionSettings
-    from .namedmpk import NamedMpkFileRecorder
-
-    return NamedMpkFileRecorder(NativePrecisionSettings()).read(path, mmap=mmap)
-
-
-def _read_gz(path: Path, mmap: bool) -> tuple[Header, Item]:
-    from ..precision import NativePrecisionSettings
-    from . import burn
-
-    with reading(str(path)):
-        if burn.gz_is_burn(burn.gz_head(path)):  # Burn's NamedMpkGzFileRecorder, by content
-            return burn.read_namedmpk_gz(path, mmap)
-    from .namedmpk import NamedMpkGzFileRecorder
-
-    return NamedMpkGzFileRecorder(NativePrecisionSettings()).read(path)
-
-
-def _read_flax(path: Path, mmap: bool) -> tuple[Header, Item]:
-    from ..precision import NativePrecisionSettings
-    from .flaxmsgpack import FlaxMsgpackFileRecorder
-
-    return FlaxMsgpackFileRecorder(NativePrecisionSettings()).read(path, mmap=mmap)
-
-
-_BUILTIN: tuple[Format, ...] = (
-    Format("trainrec.namedmpk", (".mpk",), _sniff_namedmpk, _read_namedmpk,
-           "trainrec.recorders.namedmpk:NamedMpkFileRecorder",
-           "a NamedMpk file: NamedMpkFileRecorder (DefaultRecorder, CompactRecorder) reads it",
-           "header, structure and every tensor checksum"),
-    Format("trainrec.namedmpk.gz", (".mpk.gz",), _sniff_gz, _read_gz,
-           "trainrec.recorders.namedmpk:NamedMpkGzFileRecorder",
-           "a gzip NamedMpk file: NamedMpkGzFileRecorder reads it",
-           "header, structure and every tensor checksum"),
-    Format("trainrec.flax", (".msgpack",), _sniff_flax, _read_flax,
-           "trainrec.recorders.flaxmsgpack:FlaxMsgpackFileRecorder",
-           "a msgpack map without a NamedMpk header, as flax writes: "
-           "trainrec.FlaxMsgpackFileRecorder reads it",
-           "the file checksum over every byte (header, structure, tensors)"),
-)
-
-
-def _burn(name: str) -> Callable[..., tuple[Header, Item]]:
-    """The Burn reader `name` of `trainrec.recorders.burn`, imported when first used."""
-    def read(path: Path, mmap: bool) -> tuple[Header, Item]:
-        from . import burn
-
-        result: tuple[Header, Item] = getattr(burn, name)(path, mmap)
-        return result
-    return read
-
-
-def _burn_sniff(name: str) -> Callable[[bytes], bool]:
-    def sniff(head: bytes) -> bool:
-        from . import burn
-
-        return bool(getattr(burn, name)(head))
-    return sniff
-
-
-_BURN_UNCHECKED = ("Burn keeps no checksum: a flipped bit inside a tensor's bytes, or a changed "
-                   "value of the same size, cannot be told")
-_BUILTIN = _BUILTIN + (  # after trainrec's own: `.mpk` names trainrec's NamedMpk first
-    Format("burn.burnpack", (".bpk",), _burn_sniff("sniff_burnpack"), _burn("read_burnpack"),
-           "trainrec.recorders.burn:BurnpackRecorder",
-           "a Burnpack file (Burn >= 0.22): trainrec.recorders.burn.BurnpackRecorder reads it",
-           "the header, the CBOR metadata, and every tensor's dtype, shape and byte range "
-           f"against the file (in it, no overlaps); not the tensors' values: {_BURN_UNCHECKED}"),
-    Format("burn.namedmpk", (".mpk",), _burn_sniff("sniff_namedmpk"), _burn("read_namedmpk"),
-           "trainrec.recorders.burn:BurnNamedMpkRecorder",
-           "a Burn NamedMpk file (NamedMpkFileRecorder, Burn <= 0.21): "
-           "trainrec.burn.BurnNamedMpkRecorder reads it",
-           "the msgpack structure, Burn's metadata, and every tensor's dtype, shape and byte "
-           f"count; not the tensors' values: {_BURN_UNCHECKED}"),
-    Format("burn.namedmpk.gz", (".mpk.gz",), _burn_sniff("sniff_namedmpk_gz"), _burn("read_namedmpk_gz"),
-           "trainrec.recorders.burn:BurnNamedMpkRecorder",
-           "a gzip Burn NamedMpk file (NamedMpkGzFileRecorder, Burn <= 0.21): read_file reads it",
-           "the gzip stream's CRC-32 (gzip's own), the msgpack structure, Burn's metadata, and every "
-           "tensor's dtype, shape and byte count (gzip's CRC covers the bytes as compressed, not "
-           "what Burn serialized)"),
-    # no extension: `.bin` names many formats; a Bin file is told by its first bytes alone
-    Format("burn.bin", (), _burn_sniff("sniff_bin"), _burn("read_bin"),
-           "trainrec.recorders.burn:BurnpackRecorder",
-           "a Burn Bin file (BinFileRecorder, Burn <= 0.21): read_file(path, template=...) reads "
-           "it with its tensors' module paths",
-           "Burn's metadata and every parameter's ParamId, dtype, shape and byte count, in the "
-           "order the template gives, and that nothing follows them (without a template: in file "
-           "order, and not how many there are: a file cut after a parameter reads); not the "
-           f"tensors' values: {_BURN_UNCHECKED}"),
-)
-
-BUILTIN_FORMATS = _BUILTIN
-"""The formats trainrec ships (whose readers `read_file` trusts to return items)."""
+def set_builtin_formats(formats: tuple[Format, ...]) -> None:
+    """Core's own formats, last in the resolution order (`trainrec.recorders.builtin_formats`
+    gives them; the registry imports none of the modules that read them)."""
+    global _BUILTIN, BUILTIN_FORMATS
+    _BUILTIN = BUILTIN_FORMATS = tuple(formats)
 
 
 def _clear_entry_point_cache() -> None:

@@ -48,9 +48,10 @@ def read_file(path: str | os.PathLike[str], *, mmap: bool = False, template: Any
     if template is not None:
         if fmt.name != "burn.bin":
             raise TypeError(f"template is for Burn Bin files; {p} is {fmt.description or fmt.name}")
-        from .burn import read_bin
-
-        return read_bin(p, mmap, template)
+        # core's own Bin reader (`builtin_formats`), which takes the template, whatever
+        # format of that name resolved the file
+        burn_bin: Any = next(f.reader for f in BUILTIN_FORMATS if f.name == "burn.bin")
+        return burn_bin(p, mmap, template=template)  # type: ignore[no-any-return]
     try:
         got = fmt.reader(p, mmap)
     except (RecorderError, OSError):
