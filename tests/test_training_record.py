@@ -272,3 +272,19 @@ def test_a_state_type_that_is_not_a_record_class_is_a_type_error_before_the_read
 
     with pytest.raises(TypeError, match=r"state_type must be the caller state's record class .*got "):
         TrainingRecord.load(Unread(), tmp_path / "r.mpk", "cpu", state_type=state_type)
+
+
+def test_a_generic_record_class_is_a_state_type_and_a_record_class_as_the_device_is_refused(live, tmp_path):
+    import typing
+
+    T = typing.TypeVar("T")
+
+    @trainrec.record
+    class Generic(typing.Generic[T]):
+        micro: int = 0
+
+    model, opt, sched, acc, gen = live
+    path = TrainingRecord.capture(model, opt, sched, acc, Generic(3)).save(NamedMpkFileRecorder(), tmp_path / "g.mpk")
+    assert TrainingRecord.load(NamedMpkFileRecorder(), path, "cpu", state_type=Generic[int]).state.micro == 3
+    with pytest.raises(TypeError, match=r"Generic was given as the device: state_type is keyword-only"):
+        TrainingRecord.load(NamedMpkFileRecorder(), path, Generic)

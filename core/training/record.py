@@ -9,6 +9,7 @@ live objects before it mutates any of them.
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast, overload
@@ -203,6 +204,9 @@ class TrainingRecord(Generic[U]):
         """Read a combined record using the selected recorder and device."""
         _check_recorder(recorder, "read")
         _check_state_type(state_type)
+        if isinstance(device, type) and callable(getattr(device, "from_item", None)):
+            raise TypeError(f"{device.__name__} was given as the device: state_type is keyword-only "
+                            f"(TrainingRecord.load(recorder, path, device, state_type={device.__name__}))")
         header, item = recorder.read(args, **load_kw)
         if header.record_type != cls.RECORD_NAME:
             raise RecordMismatchError(
@@ -384,8 +388,8 @@ def _check_recorder(recorder: Any, method: str) -> None:
 
 def _check_state_type(state_type: Any) -> None:
     """`TypeError` for a `state_type` that is not a record class."""
-    if state_type is not None and not (isinstance(state_type, type)
-                                       and callable(getattr(state_type, "from_item", None))):
+    is_class = isinstance(state_type, type) or isinstance(typing.get_origin(state_type), type)  # or State[int]
+    if state_type is not None and not (is_class and callable(getattr(state_type, "from_item", None))):
         shown = state_type.__name__ if isinstance(state_type, type) else repr(state_type)
         raise TypeError(f"state_type must be the caller state's record class (a @trainrec.record "
                         f"dataclass, or a class with a from_item classmethod), got {shown}")
