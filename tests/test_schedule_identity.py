@@ -270,8 +270,12 @@ def test_a_new_base_lr_that_would_not_take_effect_is_refused_even_when_allowed(n
     before = _snapshot(model, opt, sched)
     with pytest.raises(RecordMismatchError) as plain:
         rec.restore(model, opt, sched, "cpu")
-    assert "base_lrs cannot be allowed" in str(plain.value) and "recorded position" in str(plain.value)
-    assert "base_lrs'}" not in str(plain.value), "suggests an allow_changes that would not take effect"
+    said = str(plain.value)
+    assert "base_lrs cannot be allowed" in said and "recorded position" in said
+    refused = said.split(" cannot be allowed")[0].split()[-1]
+    suggested = said.split("allow_changes={")[1].split("}")[0] if "allow_changes={" in said else ""
+    assert refused.endswith(".base_lrs") and repr(refused) not in suggested, \
+        "suggests an allow_changes that would not take effect"
     with pytest.raises(RecordMismatchError, match="base_lrs cannot be allowed: a [A-Za-z]+LR computes"):
         rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
     assert _unchanged(before, model, opt, sched)
@@ -309,6 +313,63 @@ def test_an_allowed_new_base_lr_takes_effect_where_each_lr_is_computed_from_it(n
     _, fresh_opt, fresh = _run(_at_lr(0.1), make)
     opt.step(), sched.step(), fresh_opt.step(), fresh.step()
     assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12)
+
+
+def _nested(step_size):
+    return lambda o: L.ChainedScheduler([L.SequentialLR(o, [L.LambdaLR(o, lambda s: 1.0),
+                                                          L.StepLR(o, step_size, 0.5)], milestones=[1])])
+
+
+def test_a_grandchild_schedule_is_compared_too():
+    rec = _record(*_run(_adamw(), _nested(2)))
+    model, opt, sched = _fresh(_adamw(), _nested(7))
+    before = _snapshot(model, opt, sched)
+    with pytest.raises(RecordMismatchError, match=r"scheduler\._schedulers\.0\._schedulers\.1\.step_size: 2 "
+                                                  r"in the record, 7 live"):
+        rec.restore(model, opt, sched, "cpu")
+    assert _unchanged(before, model, opt, sched)
+
+
+class _HalvingLambda(L.LambdaLR):
+    def get_lr(self):
+        return [g["lr"] * 0.5 for g in self.optimizer.param_groups]
+
+
+# a SequentialLR's child that has finished is never used again, and one that starts later
+# starts from base_lrs: a new base lr takes effect as in a fresh run
+SEQUENTIAL_NEW_BASE = {
+    "upcoming-cosine": lambda o: L.SequentialLR(o, [L.LambdaLR(o, lambda s: 1.0), L.CosineAnnealingLR(o, T_max=10)],
+                                                milestones=[5]),
+    "finished-exponential": lambda o: L.SequentialLR(o, [L.ExponentialLR(o, 0.5), L.LambdaLR(o, lambda s: 0.9 ** s)],
+                                                     milestones=[2]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENTIAL_NEW_BASE))
+def test_a_new_base_lr_of_a_sequential_child_not_running_now_takes_effect(name):
+    make = SEQUENTIAL_NEW_BASE[name]
+    rec = _record(*_run(_at_lr(0.01), make))
+    model, opt, sched = _fresh(_at_lr(0.1), make)
+    rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
+    _, fresh_opt, fresh = _run(_at_lr(0.1), make)
+    for _ in range(5):
+        opt.step(), sched.step(), fresh_opt.step(), fresh.step()
+        assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12)
+
+
+def test_a_get_lr_of_your_own_is_refused_a_new_base_lr_and_the_message_says_what_is_left():
+    make = lambda o: _HalvingLambda(o, lambda s: 1.0)  # noqa: E731
+    rec = _record(*_run(_at_lr(0.01), make))
+    model, opt, sched = _fresh(_at_lr(0.1), make)
+    with pytest.raises(RecordMismatchError, match="_HalvingLambda computes each learning rate with a get_lr of its own"):
+        rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
+    mixed = lambda o: L.SequentialLR(o, [L.ExponentialLR(o, 0.5), L.StepLR(o, 2)], milestones=[2])  # noqa: E731
+    rec = _record(*_run(_at_lr(0.01), mixed))
+    model, opt, sched = _fresh(_at_lr(0.1), mixed)
+    with pytest.raises(RecordMismatchError, match=r"_schedulers\.1\.base_lrs cannot be allowed: a StepLR .* Once "
+                                                  r"those are as recorded, .* allow_changes=\{'scheduler\._schedulers\.0"
+                                                  r"\.base_lrs'\}"):
+        rec.restore(model, opt, sched, "cpu")
 
 
 # -- optimizer hyperparameters -------------------------------------------------------------

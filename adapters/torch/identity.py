@@ -3,7 +3,7 @@ restore compares (`trainrec.adapter_kit.settle`).
 
 A scheduler's fields are its constructor's arguments as its `state_dict` holds them
 (`_ARGS`: `CosineAnnealingLR`'s `T_max`, `eta_min`, `base_lrs`; a subclass those of its
-nearest torch ancestor), a `SequentialLR`'s or `ChainedScheduler`'s children's, and
+nearest torch ancestor), a `SequentialLR`'s or `ChainedScheduler`'s children's (at any depth), and
 what the state dict lacks, which the record keeps under `#identity` (`identity_of`): the
 class of each child and the functions (`LambdaLR` / `MultiplicativeLR`'s `lr_lambdas`, a
 `CyclicLR`'s `scale_fn`) by qualified name; a `functools.partial` (the HF schedule
@@ -22,6 +22,7 @@ position, whoever drives it), `initial_lr` (the scheduler's) and the implementat
 
 from __future__ import annotations
 
+import bisect
 import functools
 import types
 from typing import Any
@@ -31,7 +32,7 @@ from torch.optim import lr_scheduler as _sched
 from trainrec.adapter_kit import Item
 
 __all__ = ["IDENTITY_KEY", "identity_of", "scheduler_fields", "hyperparameter_fields",
-           "NOT_HYPERPARAMETERS", "base_lrs_refusal"]
+           "NOT_HYPERPARAMETERS", "base_lrs_refusal", "base_lrs_refusals"]
 
 IDENTITY_KEY = "#identity"
 
@@ -75,9 +76,18 @@ _FROM_THE_LAST = (_sched.MultiplicativeLR, _sched.StepLR, _sched.MultiStepLR, _s
                   _sched.CosineAnnealingLR, _sched.OneCycleLR)
 
 
-def base_lrs_refusal(cls: type) -> str:
-    """Why a scheduler of class `cls` (by its nearest torch ancestor) cannot keep a live
-    `base_lrs` other than the record's ("" when it can: its lr is computed from them)."""
+def base_lrs_refusal(cls: type, path: str = "scheduler") -> str:
+    """Why a scheduler of class `cls` that the next steps continue cannot keep a live
+    `base_lrs` other than the record's ("" when it can: its torch class computes each lr
+    from them). A `get_lr` of your own is refused: trainrec cannot tell what it reads."""
+    own = _own_get_lr(cls)
+    fix = ("build the optimizer with the recorded lr and, to change the learning rate from here, "
+           "scale each param group's 'lr' and 'initial_lr'{also} and " + path + ".base_lrs yourself "
+           "after the restore")
+    if own is not None:
+        return (f"{own.__name__} computes each learning rate with a get_lr of its own, and trainrec "
+                "cannot tell whether it reads base_lrs or the last lr (the recorded position); "
+                + fix.format(also=""))
     for base in cls.__mro__:
         if base in _ARGS:
             if base not in _FROM_THE_LAST:
@@ -85,9 +95,7 @@ def base_lrs_refusal(cls: type) -> str:
             also = " and its 'max_lr' and 'min_lr'" if base is _sched.OneCycleLR else ""
             return (f"a {base.__name__} computes each learning rate from the last one (the recorded "
                     "position), not from base_lrs, so a new base lr would be kept yet not take effect; "
-                    "build the optimizer with the recorded lr and, to change the learning rate from here, "
-                    "scale each param group's 'lr' and 'initial_lr'" + also + " and the scheduler's "
-                    "base_lrs yourself after the restore")
+                    + fix.format(also=also))
     return ""
 
 
@@ -170,14 +178,14 @@ def identity_of(scheduler: Any) -> dict[str, Item]:
     return out
 
 
-def scheduler_fields(state: Item, cls: type, children: list[type] | None,
-                     path: str = "scheduler") -> dict[str, Item]:
-    """The constructor arguments in a scheduler state dict (an item) of class `cls`, by
-    path; `children`: the classes of its children, in order (None: it has none)."""
+def scheduler_fields(state: Item, live: Any, path: str = "scheduler") -> dict[str, Item]:
+    """The constructor arguments in a scheduler state dict (an item), by path, read as the
+    live scheduler `live` is built: its class's arguments, and each child's of a
+    `SequentialLR` / `ChainedScheduler`, at any depth."""
     out: dict[str, Item] = {}
     if not isinstance(state, dict):
         return out
-    for key in args_of(cls):
+    for key in args_of(type(live)):
         if key in state:
             out[f"{path}.{key}"] = state[key]
     lambdas = state.get("lr_lambdas")
@@ -185,11 +193,56 @@ def scheduler_fields(state: Item, cls: type, children: list[type] | None,
         for i, entry in enumerate(lambdas):
             if isinstance(entry, dict) and entry:
                 out[f"{path}.lr_lambdas.{i}.attributes"] = entry
-    child_states = state.get(_CHILDREN)
-    if children is not None and isinstance(child_states, list):
+    children, child_states = getattr(live, _CHILDREN, None), state.get(_CHILDREN)
+    if isinstance(children, (list, tuple)) and isinstance(child_states, list):
         for i, (child, child_state) in enumerate(zip(children, child_states)):
-            out.update(scheduler_fields(child_state, child, None, f"{path}.{_CHILDREN}.{i}"))
+            out.update(scheduler_fields(child_state, child, f"{path}.{_CHILDREN}.{i}"))
     return out
+
+
+def base_lrs_refusals(live: Any, state: Item, path: str = "scheduler") -> dict[str, str]:
+    """For the live scheduler `live` and each child (at any depth), `PATH.base_lrs` -> why
+    a new base lr cannot be kept, given the recorded state dict `state` ("" where it can).
+
+    A scheduler that the next steps continue computes each lr from the last one unless its
+    class computes it from `base_lrs` (`base_lrs_refusal`); a `SequentialLR`'s child that
+    has finished is never used again, and one that starts after the recorded position
+    starts from `base_lrs` (torch's closed form), where its class has one."""
+    out = {f"{path}.base_lrs": base_lrs_refusal(type(live), path)}
+    children = getattr(live, _CHILDREN, None)
+    if not isinstance(state, dict):
+        return out
+    child_states = state.get(_CHILDREN)
+    if not isinstance(children, (list, tuple)) or not isinstance(child_states, list):
+        return out
+    milestones = state.get("_milestones") if isinstance(live, _sched.SequentialLR) else None
+    last = state.get("last_epoch")
+    for i, (child, child_state) in enumerate(zip(children, child_states)):
+        at = f"{path}.{_CHILDREN}.{i}"
+        inner = base_lrs_refusals(child, child_state, at)
+        if (isinstance(milestones, list) and all(isinstance(m, int) for m in milestones)
+                and isinstance(last, int)):
+            steps = [m for m in milestones if isinstance(m, int)]
+            upcoming = last + 1
+            current = bisect.bisect_right(steps, upcoming)
+            starts = current > 0 and steps[current - 1] == upcoming
+            continued = i == current and not starts
+            if i < current:
+                inner[f"{at}.base_lrs"] = ""  # finished: never used again
+            elif not continued and hasattr(child, "_get_closed_form_lr") and _own_get_lr(type(child)) is None:
+                inner[f"{at}.base_lrs"] = ""  # starts from base_lrs at its milestone
+        out.update(inner)
+    return out
+
+
+def _own_get_lr(cls: type) -> type | None:
+    """The class below its nearest torch ancestor that defines `get_lr` (None: torch's own)."""
+    for base in cls.__mro__:
+        if base in _ARGS or base.__module__.startswith("torch."):
+            return None
+        if "get_lr" in vars(base) or "_get_closed_form_lr" in vars(base):
+            return base
+    return None
 
 
 def flatten(item: Item, path: str) -> dict[str, Item]:

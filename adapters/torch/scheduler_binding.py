@@ -12,7 +12,7 @@ import torch
 from trainrec import RecordMismatchError, StateRecord
 from trainrec.adapter_kit import Change, Item, expect_kind, field_changes, settle, unchecked
 
-from .identity import IDENTITY_KEY, base_lrs_refusal, flatten, identity_of, scheduler_fields
+from .identity import IDENTITY_KEY, base_lrs_refusals, flatten, identity_of, scheduler_fields
 from .state_values import _kind, decode, encode
 
 # -- scheduler ----------------------------------------------------------------------------
@@ -78,12 +78,10 @@ class TorchLrScheduler:
             raise RecordMismatchError(
                 f"scheduler state keys differ: record {sorted(state) if isinstance(state, dict) else state!r}, "
                 f"live {sorted(live)}", key=path)
-        children = getattr(self.scheduler, "_schedulers", None)
-        live_children = [type(c) for c in children] if isinstance(children, (list, tuple)) else None
-        self._check_children(state, live)
+        self._check_children(state, live, path)
         live_identity = identity_of(self.scheduler)
-        recorded_fields = scheduler_fields(state, type(self.scheduler), live_children, path)
-        live_fields = scheduler_fields(encode(live), type(self.scheduler), live_children, path)
+        recorded_fields = scheduler_fields(state, self.scheduler, path)
+        live_fields = scheduler_fields(encode(live), self.scheduler, path)
         unknown: set[str] = set()
         if isinstance(identity, dict):
             recorded_fields.update(flatten(identity, path))
@@ -93,28 +91,30 @@ class TorchLrScheduler:
                                       key=f"{path}.{IDENTITY_KEY}")
         else:  # an older record: what only the identity says goes unchecked
             unknown = {p for p in flatten(live_identity, path) if p != f"{path}.class"}
-        classes = {f"{path}.base_lrs": type(self.scheduler)}
-        classes.update({f"{path}._schedulers.{i}.base_lrs": c for i, c in enumerate(live_children or [])})
-        changes = [dataclasses.replace(c, refusal=base_lrs_refusal(classes[c.path])) if c.path in classes else c
+        refusals = base_lrs_refusals(self.scheduler, state, path)
+        changes = [dataclasses.replace(c, refusal=refusals[c.path]) if refusals.get(c.path) else c
                    for c in field_changes(recorded_fields, live_fields)]
         return state, live, changes, set(recorded_fields) | set(live_fields), unknown
 
     @staticmethod
-    def _check_children(state: dict[str, Any], live: dict[str, Any]) -> None:
+    def _check_children(state: dict[str, Any], live: dict[str, Any], path: str = "scheduler") -> None:
+        """The children of a `SequentialLR` / `ChainedScheduler`, at any depth: as many, each
+        with the live one's state keys."""
         recorded, live_children = state.get("_schedulers"), live.get("_schedulers")
         if not isinstance(live_children, list):
             return
         if not isinstance(recorded, list) or len(recorded) != len(live_children):
             raise RecordMismatchError(
                 f"the record holds {len(recorded) if isinstance(recorded, list) else 'no'} "
-                f"child schedulers, the live scheduler {len(live_children)}", key="scheduler._schedulers")
+                f"child schedulers, the live scheduler {len(live_children)}", key=f"{path}._schedulers")
         for i, (r, c) in enumerate(zip(recorded, live_children)):
+            at = f"{path}._schedulers.{i}"
             if not isinstance(r, dict) or not isinstance(c, dict) or set(r) != set(c):
                 raise RecordMismatchError(
-                    f"child scheduler {i}'s state keys differ: record "
+                    f"child scheduler {i if path == 'scheduler' else at}'s state keys differ: record "
                     f"{sorted(r) if isinstance(r, dict) else r!r}, live "
-                    f"{sorted(c) if isinstance(c, dict) else c!r} (another class?)",
-                    key=f"scheduler._schedulers.{i}")
+                    f"{sorted(c) if isinstance(c, dict) else c!r} (another class?)", key=at)
+            TorchLrScheduler._check_children(r, c, at)
 
     def check_record(self, record: Any, *, allow_changes: frozenset[str] = frozenset()) -> None:
         self._checked(record, allow_changes)

@@ -125,7 +125,9 @@ def settle(changes: list[Change], fields: Iterable[str], allow: frozenset[str],
         parts += [f"{c.path} cannot be allowed: {c.refusal}."
                   for c in {c.refusal: c for c in refused if c.refusal}.values()]
         if names:
-            parts.append(f"To resume with the live value on purpose, pass allow_changes={{{names}}}")
+            start = ("Once those are as recorded, resume with the others' live values on purpose: pass"
+                     if len(parts) > 1 + bool(hint) else "To resume with the live value on purpose, pass")
+            parts.append(f"{start} allow_changes={{{names}}}")
         raise RecordMismatchError(" ".join(parts), key=refused[0].path)
     return frozenset(c.path for c in changes)
 
