@@ -303,16 +303,28 @@ FROM_THE_BASE = {
 }
 
 
+def _resumed_at_a_new_base_lr(make):
+    """The scheduler `make` builds, run at lr 0.01, restored into one built at lr 0.1 with
+    `scheduler.base_lrs` allowed, and a run at lr 0.1 that never stopped: (restored
+    optimizer, restored scheduler, fresh optimizer, fresh scheduler)."""
+    rec = _record(*_run(_at_lr(0.01), make))
+    _, opt, sched = model_opt_sched = _fresh(_at_lr(0.1), make)
+    rec.restore(*model_opt_sched, "cpu", allow_changes={"scheduler.base_lrs"})
+    _, fresh_opt, fresh = _run(_at_lr(0.1), make)
+    return opt, sched, fresh_opt, fresh
+
+
+def _steps_alike(opt, sched, fresh_opt, fresh, steps):
+    for _ in range(steps):
+        opt.step(), sched.step(), fresh_opt.step(), fresh.step()
+        assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12)
+
+
 @pytest.mark.parametrize("name", sorted(FROM_THE_BASE))
 def test_an_allowed_new_base_lr_takes_effect_where_each_lr_is_computed_from_it(name):
-    make = FROM_THE_BASE[name]
-    rec = _record(*_run(_at_lr(0.01), make))
-    model, opt, sched = _fresh(_at_lr(0.1), make)
-    rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
+    opt, sched, fresh_opt, fresh = _resumed_at_a_new_base_lr(FROM_THE_BASE[name])
     assert sched.base_lrs == [0.1] and sched.last_epoch == 3
-    _, fresh_opt, fresh = _run(_at_lr(0.1), make)
-    opt.step(), sched.step(), fresh_opt.step(), fresh.step()
-    assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12)
+    _steps_alike(opt, sched, fresh_opt, fresh, 1)
 
 
 def _nested(step_size):
@@ -347,14 +359,7 @@ SEQUENTIAL_NEW_BASE = {
 
 @pytest.mark.parametrize("name", sorted(SEQUENTIAL_NEW_BASE))
 def test_a_new_base_lr_of_a_sequential_child_not_running_now_takes_effect(name):
-    make = SEQUENTIAL_NEW_BASE[name]
-    rec = _record(*_run(_at_lr(0.01), make))
-    model, opt, sched = _fresh(_at_lr(0.1), make)
-    rec.restore(model, opt, sched, "cpu", allow_changes={"scheduler.base_lrs"})
-    _, fresh_opt, fresh = _run(_at_lr(0.1), make)
-    for _ in range(5):
-        opt.step(), sched.step(), fresh_opt.step(), fresh.step()
-        assert sched.get_last_lr() == pytest.approx(fresh.get_last_lr(), rel=1e-12)
+    _steps_alike(*_resumed_at_a_new_base_lr(SEQUENTIAL_NEW_BASE[name]), 5)
 
 
 def test_a_get_lr_of_your_own_is_refused_a_new_base_lr_and_the_message_says_what_is_left():

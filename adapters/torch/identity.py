@@ -215,22 +215,22 @@ def base_lrs_refusals(live: Any, state: Item, path: str = "scheduler") -> dict[s
     child_states = state.get(_CHILDREN)
     if not isinstance(children, (list, tuple)) or not isinstance(child_states, list):
         return out
-    milestones = state.get("_milestones") if isinstance(live, _sched.SequentialLR) else None
-    last = state.get("last_epoch")
+    # a SequentialLR: the child the next step continues (`current`, unless it starts then)
+    milestones, last = state.get("_milestones"), state.get("last_epoch")
+    steps = [m for m in milestones if isinstance(m, int)] if isinstance(milestones, list) else []
+    sequential, current, starts = False, 0, False
+    if (isinstance(live, _sched.SequentialLR) and isinstance(last, int)
+            and isinstance(milestones, list) and len(steps) == len(milestones)):
+        sequential, current = True, bisect.bisect_right(steps, last + 1)
+        starts = current > 0 and steps[current - 1] == last + 1
     for i, (child, child_state) in enumerate(zip(children, child_states)):
         at = f"{path}.{_CHILDREN}.{i}"
         inner = base_lrs_refusals(child, child_state, at)
-        if (isinstance(milestones, list) and all(isinstance(m, int) for m in milestones)
-                and isinstance(last, int)):
-            steps = [m for m in milestones if isinstance(m, int)]
-            upcoming = last + 1
-            current = bisect.bisect_right(steps, upcoming)
-            starts = current > 0 and steps[current - 1] == upcoming
-            continued = i == current and not starts
-            if i < current:
-                inner[f"{at}.base_lrs"] = ""  # finished: never used again
-            elif not continued and hasattr(child, "_get_closed_form_lr") and _own_get_lr(type(child)) is None:
-                inner[f"{at}.base_lrs"] = ""  # starts from base_lrs at its milestone
+        if sequential and i < current:
+            inner[f"{at}.base_lrs"] = ""  # finished: never used again
+        elif (sequential and (i > current or starts) and hasattr(child, "_get_closed_form_lr")
+              and _own_get_lr(type(child)) is None):
+            inner[f"{at}.base_lrs"] = ""  # starts from base_lrs at its milestone
         out.update(inner)
     return out
 

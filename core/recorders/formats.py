@@ -178,7 +178,7 @@ def known_formats() -> tuple[Format, ...]:
     """Every known format, in resolution order (see the module docstring), one per name."""
     out: list[Format] = []
     names: set[str] = set()
-    for fmt in (*_registered, *_entry_point_formats(), *_BUILTIN):
+    for fmt in (*_registered, *_entry_point_formats(), *BUILTIN_FORMATS):
         if fmt.name not in names:
             names.add(fmt.name)
             out.append(fmt)
@@ -314,7 +314,6 @@ def recorder_for(path: str | Path, settings: PrecisionSettings | None = None) ->
 
 # -- core's own formats -----------------------------------------------------------------------
 
-_BUILTIN: tuple[Format, ...] = ()
 BUILTIN_FORMATS: tuple[Format, ...] = ()
 """The formats trainrec ships (whose readers `read_file` trusts to return items): given by
 `trainrec.recorders.builtin_formats` as the package `trainrec.recorders` is imported."""
@@ -323,8 +322,8 @@ BUILTIN_FORMATS: tuple[Format, ...] = ()
 def set_builtin_formats(formats: tuple[Format, ...]) -> None:
     """Core's own formats, last in the resolution order (`trainrec.recorders.builtin_formats`
     gives them; the registry imports none of the modules that read them)."""
-    global _BUILTIN, BUILTIN_FORMATS
-    _BUILTIN = BUILTIN_FORMATS = tuple(formats)
+    global BUILTIN_FORMATS
+    BUILTIN_FORMATS = tuple(formats)
 
 
 def _clear_entry_point_cache() -> None:

@@ -121,12 +121,12 @@ def settle(changes: list[Change], fields: Iterable[str], allow: frozenset[str],
         listed = "; ".join(str(c) for c in refused[:_SHOWN])
         more = f" (and {len(refused) - _SHOWN} more)" if len(refused) > _SHOWN else ""
         names = ", ".join(repr(p) for p in sorted({suggest(c.path) for c in refused if not c.refusal})[:_SHOWN])
-        parts = [f"{what} differ from the record's: {listed}{more}.", *([hint] if hint else [])]
-        parts += [f"{c.path} cannot be allowed: {c.refusal}."
-                  for c in {c.refusal: c for c in refused if c.refusal}.values()]
+        reasons = [f"{c.path} cannot be allowed: {c.refusal}."
+                   for c in {c.refusal: c for c in refused if c.refusal}.values()]
+        parts = [f"{what} differ from the record's: {listed}{more}.", *([hint] if hint else []), *reasons]
         if names:
             start = ("Once those are as recorded, resume with the others' live values on purpose: pass"
-                     if len(parts) > 1 + bool(hint) else "To resume with the live value on purpose, pass")
+                     if reasons else "To resume with the live value on purpose, pass")
             parts.append(f"{start} allow_changes={{{names}}}")
         raise RecordMismatchError(" ".join(parts), key=refused[0].path)
     return frozenset(c.path for c in changes)
